@@ -1,0 +1,170 @@
+"""Links between ranks: nonblocking MPI operations on tensors, byte counters, one request list.
+
+A ``Link`` wraps one communicator and knows its class, LAN (inside a datacenter) or WAN (the
+global tier). Every operation returns after posting; its MPI request goes into a ``Requests``
+list that is waited on in one place, which also runs any copy-back a staged receive needs.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from mpi4py import MPI
+
+from geompi.comm.buffers import Staging
+from geompi.errors import CommTimeoutError
+
+LAN = "lan"
+WAN = "wan"
+
+
+@dataclass
+class LinkStats:
+    """Bytes this rank sent (and posted receives for) and seconds it waited, per link class.
+
+    ``sent`` counts every byte; ``control`` the part that was headers, trailers and specs, so
+    ``sent - control`` is the data (what compression shrinks). ``held_s`` is the part of
+    ``wait_s`` that an emulated link (geompi.comm.linkmodel) added.
+    """
+
+    sent: dict[str, int] = field(default_factory=lambda: {LAN: 0, WAN: 0})
+    received: dict[str, int] = field(default_factory=lambda: {LAN: 0, WAN: 0})
+    control: dict[str, int] = field(default_factory=lambda: {LAN: 0, WAN: 0})
+    wait_s: dict[str, float] = field(default_factory=lambda: {LAN: 0.0, WAN: 0.0})
+    held_s: dict[str, float] = field(default_factory=lambda: {LAN: 0.0, WAN: 0.0})
+    messages: dict[str, int] = field(default_factory=lambda: {LAN: 0, WAN: 0})
+
+    def count(self, kind: str, nbytes: int, control: bool = False) -> None:
+        self.sent[kind] += int(nbytes)
+        self.messages[kind] += 1
+        if control:
+            self.control[kind] += int(nbytes)
+
+    def held(self, kind: str, seconds: float) -> None:
+        """An emulated link held a transfer back for ``seconds``: that is waiting too."""
+        self.wait_s[kind] += seconds
+        self.held_s[kind] += seconds
+
+    def reset_time(self) -> None:
+        """Start the wait clocks again (after the start-up rounds), keep the byte counts."""
+        for d in (self.wait_s, self.held_s):
+            d.update({LAN: 0.0, WAN: 0.0})
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "lan_bytes": self.sent[LAN],
+            "wan_bytes": self.sent[WAN],
+            "wan_data_bytes": self.sent[WAN] - self.control[WAN],
+            "wan_received_bytes": self.received[WAN],
+            "lan_wait_s": self.wait_s[LAN],
+            "wan_wait_s": self.wait_s[WAN],
+            "wan_held_s": self.held_s[WAN],
+            "lan_held_s": self.held_s[LAN],
+        }
+
+
+class Requests:
+    """The requests of one round, waited on together; callbacks run after completion."""
+
+    def __init__(self, stats: LinkStats, timeout: float | None = None, what: str = "") -> None:
+        self.stats = stats
+        self.timeout = timeout
+        self.what = what
+        self._reqs: list[MPI.Request] = []
+        self._then: list[Callable[[], None] | None] = []
+        self._kind: list[str] = []
+
+    def add(
+        self, req: MPI.Request, kind: str, then: Callable[[], None] | None = None
+    ) -> MPI.Request:
+        self._reqs.append(req)
+        self._then.append(then)
+        self._kind.append(kind)
+        return req
+
+    def add_callback(self, then: Callable[[], None]) -> None:
+        """Run ``then`` after every request of the list completed (in the order added)."""
+        self._then.append(then)
+
+    def __len__(self) -> int:
+        return len(self._reqs)
+
+    def test(self) -> None:
+        """Drive progress without blocking (MPI progresses only inside MPI calls)."""
+        if self._reqs:
+            MPI.Request.Testall(self._reqs)
+
+    def wait(self) -> None:
+        """Wait for every request, then run the callbacks in the order they were added."""
+        if self._reqs:
+            t0 = time.perf_counter()
+            wait_for(self._reqs, self.timeout, self.what)
+            # A list that mixes classes charges its wait to the slower one, WAN.
+            self.stats.wait_s[WAN if WAN in self._kind else LAN] += time.perf_counter() - t0
+        for cb in self._then:
+            if cb is not None:
+                cb()
+        self._reqs.clear()
+        self._then.clear()
+        self._kind.clear()
+
+
+POLL = os.environ.get("GEOMPI_WAIT", "spin") == "poll"
+
+
+def wait_for(reqs: list[MPI.Request], timeout: float | None, what: str = "") -> None:
+    """``Waitall``, or a polling wait that sleeps between tests (``GEOMPI_WAIT=poll``, for
+    oversubscribed nodes) and raises CommTimeoutError after ``timeout`` seconds."""
+    if not timeout and not POLL:
+        MPI.Request.Waitall(reqs)
+        return
+    deadline = time.monotonic() + timeout if timeout else None
+    pause = 1e-5
+    while not MPI.Request.Testall(reqs):
+        if deadline is not None and time.monotonic() > deadline:
+            raise CommTimeoutError(
+                f"no answer for {timeout:g} s while waiting for {what or 'a peer'}: a rank was "
+                "lost or is stuck; resume with --resume latest, or raise --comm-timeout"
+            )
+        time.sleep(pause)
+        pause = min(pause * 2, 2e-4 if POLL else 1e-3)
+
+
+class Link:
+    """Nonblocking operations on tensors over one communicator of one link class."""
+
+    def __init__(self, comm, kind: str, stats: LinkStats, staging: Staging | None = None) -> None:
+        self.comm = comm
+        self.kind = kind
+        self.stats = stats
+        self.staging = staging or Staging(force=os.environ.get("GEOMPI_FORCE_STAGING") == "1")
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+
+    def isend(
+        self, reqs: Requests, t: torch.Tensor, dest: int, tag: int, control: bool = False
+    ) -> None:
+        self.stats.count(self.kind, t.numel() * t.element_size(), control)
+        reqs.add(self.comm.Isend(self.staging.for_send(t), dest, tag), self.kind)
+
+    def irecv(
+        self, reqs: Requests, t: torch.Tensor, source: int, tag: int, count: bool = True
+    ) -> None:
+        """Post a receive into ``t``; ``count=False`` when the message may be shorter than
+        ``t`` (the caller counts what arrived)."""
+        if count:
+            self.stats.received[self.kind] += t.numel() * t.element_size()
+        buf, then = self.staging.for_recv(t)
+        reqs.add(self.comm.Irecv(buf, source, tag), self.kind, then)
+
+    def igather(self, reqs: Requests, t: torch.Tensor, out: torch.Tensor | None, root: int) -> None:
+        """Gather one fixed-size CPU tensor per rank into ``out`` (shape [size, ...]) at root."""
+        if self.rank == root:
+            reqs.add(self.comm.Igather(t.numpy(), out.numpy(), root), self.kind)
+        else:
+            self.stats.count(self.kind, t.numel() * t.element_size(), control=True)
+            reqs.add(self.comm.Igather(t.numpy(), None, root), self.kind)
