@@ -1,0 +1,310 @@
+"""MixedSync's global tier: local servers deposit into global servers' RMA windows, without
+waiting for other datacenters; each global server applies deposits in arrival order.
+
+The start (INIT rounds) is synchronous. A local server's first gradient round sends an ASYNC
+header to every global server, after which all of them create the windows together.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from geompi.comm.rma import (
+    ALL_DONE,
+    DONE,
+    FLAGS,
+    PENDING,
+    SAVE_REQUEST,
+    UPDATES,
+    VERSION,
+    WEIGHT,
+    SlotWindows,
+    deposit_keys,
+    per_dc,
+    set_per_dc,
+)
+from geompi.comm.topology import Topology
+from geompi.comm.transport import WAN, Requests
+from geompi.errors import ConfigError
+from geompi.ps.global_server import GlobalServer
+from geompi.ps.local_server import SyncUplink
+from geompi.ps.protocol import MAX_KEYS, Op, Round
+from geompi.ps.wan import TierCodec
+
+
+def region_bytes(codec: TierCodec | None, m: int) -> int:
+    """Bytes a slice of ``m`` values takes in a slot during training (4-byte aligned)."""
+    return 4 * m if codec is None else -(-codec.nbytes(m) // 4) * 4
+
+
+def _open_windows(comm, topo: Topology, keys: list[tuple[int, int]], stats, timeout, codec):
+    """Collective over global_comm: one SlotWindows per global server. A slot holds either a
+    training round's (compressed) data or, at the end, the full final values."""
+    d = topo.num_dcs
+    wins = []
+    for g in range(topo.num_global_servers):
+        sizes = [hi - lo for lo, hi in (topo.shard_bounds(n, g) for _, n in keys)]
+        slot_len = max(sum(sizes), sum(region_bytes(codec, m) for m in sizes) // 4)
+        wins.append(SlotWindows(comm, d + g, d, max(slot_len, 1), stats, timeout))
+    return wins
+
+
+class AsyncUplink:
+    """A local server's side: deposit, wait for it to be applied, fetch the new parameters."""
+
+    def __init__(
+        self, sync: SyncUplink, topo: Topology, dc: int, max_staleness: int | None = None
+    ) -> None:
+        self.sync = sync
+        self.topo = topo
+        self.dc = dc
+        self.max_staleness = max_staleness
+        self.keys: dict[int, int] = {}  # key -> numel, from INIT rounds
+        self.wins: list[SlotWindows] | None = None
+
+    # The same begin / send_key / end / receive steps as SyncUplink. INIT rounds go through the
+    # synchronous tier; gradient rounds are collected, then deposited in one go at ``end``.
+    def begin(self, rnd: Round, spec: bytes | None) -> None:
+        self.rnd = rnd
+        if rnd.op is Op.INIT:
+            if self.wins is not None:
+                raise ConfigError("with dist_async, initialize every key before the first push")
+            self.keys.update(dict(rnd.keys))
+            self.sync.begin(rnd, spec)
+            return
+        self._open()
+        self.bufs: list[torch.Tensor | None] = [None] * len(rnd.keys)
+
+    def send_key(self, i: int, buf: torch.Tensor) -> None:
+        if self.rnd.op is Op.INIT:
+            self.sync.send_key(i, buf)
+        else:
+            self.bufs[i] = buf
+
+    def end(self, weight: float) -> None:
+        if self.rnd.op is Op.INIT:
+            self.sync.end(weight)
+            return
+        self._respect_staleness()
+        keys, ids = self.rnd.keys, [k for k, _ in self.rnd.keys]
+        packed = [self._pack(g, keys, self.bufs) for g in range(len(self.wins))]
+        wan = self.sync.wan  # an emulated link releases the deposits one after the other
+        due = [wan.up.schedule(p.numel() * 4) for p in packed] if wan is not None else None
+        for g, win in enumerate(self.wins):
+            if due is not None:
+                self.sync.link.stats.held(WAN, wan.up.hold_until(due[g]))
+            win.deposit(self.dc, packed[g].numpy(), weight, self.rnd.flags, ids)
+
+    def receive(self, outs: list[torch.Tensor]) -> list[Requests]:
+        if self.rnd.op is Op.INIT:
+            return self.sync.receive(outs)
+        keys, burst = self.rnd.keys, []
+        for g, win in enumerate(self.wins):
+            win.wait_until(lambda c: per_dc(c, self.dc, PENDING) == 0, "its update")
+            packed = torch.empty(self._packed_len(g, keys, self.sync.codec))
+            win.fetch(self.dc, packed.numpy())
+            self._hold_fetch(burst, packed.numel() * 4)
+            self._unpack(g, keys, outs, packed, self.sync.codec)
+        return [Requests(self.sync.link.stats) for _ in outs]  # already complete
+
+    def _hold_fetch(self, burst: list[float], nbytes: int) -> None:
+        """An emulated link: a ``Get`` is a round trip, the request's latency then the data."""
+        wan = self.sync.wan
+        if wan is not None:
+            held = wan.down.hold_burst(burst, nbytes, delay=wan.model.latency)
+            self.sync.link.stats.held(WAN, held)
+
+    def save(self, rnd: Round, dc: int) -> None:
+        """Only the master worker's datacenter asks; the others keep training."""
+        if dc == 0:
+            self._open()
+            for win in self.wins:
+                win.request_save()
+
+    def stop(self, rnd: Round, bufs) -> None:
+        """Done: wait until every datacenter is, then fetch the final global parameters."""
+        self._open()
+        for win in self.wins:
+            win.mark_done(self.dc)
+        burst = []
+        for g, win in enumerate(self.wins):
+            win.wait_until(lambda c: c[ALL_DONE] == 1, "the other datacenters to finish")
+            if bufs:  # the final values, uncompressed
+                packed = torch.empty(self._packed_len(g, rnd.keys, None))
+                win.fetch(self.dc, packed.numpy())
+                self._hold_fetch(burst, packed.numel() * 4)
+                self._unpack(g, rnd.keys, bufs, packed, None)
+        for win in self.wins:
+            win.free()
+
+    def _open(self) -> None:
+        if self.wins is not None:
+            return
+        keys = sorted(self.keys.items())
+        if len(keys) > MAX_KEYS:
+            raise ConfigError(f"MixedSync carries at most {MAX_KEYS} keys: use fewer, larger keys")
+        self.sync.send_header(Round(Op.ASYNC, 0, keys))
+        self.wins = _open_windows(
+            self.sync.link.comm,
+            self.topo,
+            keys,
+            self.sync.link.stats,
+            self.sync.timeout,
+            self.sync.codec,
+        )
+
+    def _respect_staleness(self) -> None:
+        s = self.max_staleness
+        if not s:
+            return
+        d, ndc = self.dc, self.topo.num_dcs
+
+        def ok(c) -> bool:
+            active = [per_dc(c, e, UPDATES) for e in range(ndc) if not per_dc(c, e, DONE)]
+            return not active or per_dc(c, d, UPDATES) - min(active) < s
+
+        self.wins[0].wait_until(ok, f"slower datacenters (--max-staleness {s})")
+
+    def _slices(self, g: int, keys, bufs):
+        for (k, n), buf in zip(keys, bufs):
+            lo, hi = self.topo.shard_bounds(n, g)
+            yield (k, g), buf[lo:hi]
+
+    def _packed_len(self, g: int, keys, codec: TierCodec | None) -> int:
+        sizes = [hi - lo for lo, hi in (self.topo.shard_bounds(n, g) for _, n in keys)]
+        return max(1, sum(region_bytes(codec, m) for m in sizes) // 4)
+
+    def _pack(self, g: int, keys, bufs) -> torch.Tensor:
+        """This round's slices for global server g, compressed when the tier is, as fp32."""
+        codec = self.sync.codec
+        out = torch.zeros(self._packed_len(g, keys, codec))
+        raw, off = out.view(torch.uint8), 0
+        for rkey, piece in self._slices(g, keys, bufs):
+            data = piece if codec is None else codec.encode_push(rkey, piece)
+            data = data.contiguous().view(torch.uint8)
+            raw[off : off + data.numel()] = data
+            off += region_bytes(codec, piece.numel())
+        return out
+
+    def _unpack(self, g: int, keys, bufs, packed: torch.Tensor, codec) -> None:
+        raw, off = packed.view(torch.uint8), 0
+        for rkey, piece in self._slices(g, keys, bufs):
+            m = piece.numel()
+            if codec is None:
+                piece.copy_(raw[off : off + 4 * m].view(torch.float32))
+            else:
+                codec.decode_pull(rkey, raw[off : off + codec.nbytes(m)], piece)
+            off += region_bytes(codec, m)
+
+
+class AsyncGlobalServer(GlobalServer):
+    """A global server of MixedSync: sync INIT rounds, then apply deposits as they arrive."""
+
+    def run(self) -> None:
+        while True:  # synchronous until every local server sent ASYNC (or STOP)
+            rnd = self.serve_round()
+            if rnd is None or rnd.op is Op.ASYNC:
+                break
+        if rnd is None:
+            return
+        keys = rnd.keys
+        self.offsets = {}
+        off = 0
+        for k, n in keys:
+            lo, hi = self.topo.shard_bounds(n, self.index)
+            self.offsets[k] = (off, hi - lo)
+            off += hi - lo
+        self.wins = _open_windows(self.link.comm, self.topo, keys, self.stats, None, self.codec)
+        if self.codec is not None:  # every datacenter received the INIT values exactly
+            for k in self.offsets:
+                for d in range(self.topo.num_dcs):
+                    self.codec.set_replica((k, d), self.values[k])
+        self.win = self.wins[self.index]
+        self.staleness: list[tuple[int, int, float]] = []  # (dc, staleness, seconds) per update
+        self.t0 = time.perf_counter()
+        self.last_version = [0] * self.topo.num_dcs
+        self._serve_async()
+
+    def _serve_async(self) -> None:
+        win, ndc = self.win, self.topo.num_dcs
+        pause = 2e-5
+        while True:
+            win.lock_self()
+            ctrl = win.ctrl.copy()
+            win.unlock_self()
+            if ctrl[SAVE_REQUEST]:
+                self.send_snapshot()  # a consistent version: between two updates
+                win.lock_self()
+                win.ctrl[SAVE_REQUEST] = 0
+                win.unlock_self()
+            pending = sorted(
+                (per_dc(ctrl, d, PENDING), d) for d in range(ndc) if per_dc(ctrl, d, PENDING) > 0
+            )
+            if not pending:
+                if all(per_dc(ctrl, d, DONE) for d in range(ndc)):
+                    break
+                time.sleep(pause)
+                pause = min(pause * 2, 1e-3)
+                continue
+            pause = 2e-5
+            for _, d in pending:
+                self._apply_deposit(d, ctrl)
+        self._publish_final()
+        for w in self.wins:  # collective, in the same order on every rank
+            w.free()
+
+    def _apply_deposit(self, d: int, ctrl: np.ndarray) -> None:
+        win = self.win
+        keys = deposit_keys(ctrl, d)
+        weight, flags = per_dc(ctrl, d, WEIGHT), int(per_dc(ctrl, d, FLAGS))
+        slot = torch.from_numpy(win.slot(d)).view(torch.uint8)
+        codec = self.codec
+        win.data_lock()
+        version = int(win.ctrl[VERSION])
+        off = 0
+        for k in keys:
+            n = self.offsets[k][1]
+            if codec is None:
+                total = slot[off : off + 4 * n].view(torch.float32).clone()
+            else:
+                total = codec.decode_push(slot[off : off + codec.nbytes(n)].clone(), n)
+            self.apply(Round(Op.GRAD, 0, [], weight, 0, flags), k, total, weight, dc=d)
+            result = self.values[k] if codec is None else codec.encode_pull((k, d), self.values[k])
+            result = result.contiguous().view(torch.uint8)
+            slot[off : off + result.numel()] = result
+            off += region_bytes(codec, n)
+        win.data_unlock()
+        self.stats.received[WAN] += off  # what the deposit brought in (counted here, at the owner)
+        self.staleness.append((d, version - self.last_version[d], time.perf_counter() - self.t0))
+        win.lock_self()
+        win.ctrl[VERSION] = version + 1
+        set_per_dc(win.ctrl, d, UPDATES, per_dc(win.ctrl, d, UPDATES) + 1)
+        set_per_dc(win.ctrl, d, PENDING, 0)
+        win.unlock_self()
+        self.last_version[d] = version + 1
+
+    def _publish_final(self) -> None:
+        """Every slot gets the final parameters, then ALL_DONE releases the local servers."""
+        win = self.win
+        win.data_lock()
+        for d in range(self.topo.num_dcs):
+            slot = torch.from_numpy(win.slot(d))
+            for k, (off, n) in self.offsets.items():
+                slot[off : off + n] = self.values[k]
+        win.data_unlock()
+        win.lock_self()
+        win.ctrl[ALL_DONE] = 1
+        win.unlock_self()
+
+    def report(self) -> dict:
+        if not hasattr(self, "win"):
+            return super().report()
+        ctrl = self.win.ctrl
+        return {
+            **super().report(),
+            "staleness": self.staleness,
+            "dc_updates": [int(per_dc(ctrl, d, UPDATES)) for d in range(self.topo.num_dcs)],
+        }

@@ -1,0 +1,187 @@
+"""GlobalServer: holds the fp32 master copy of its shard of every key and its optimizer state."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from geompi.comm.topology import Communicators, Topology
+from geompi.comm.transport import WAN, Link, LinkStats, Requests
+from geompi.ps.optim import ServerOptimizer, outer_step, spec_from_dict
+from geompi.ps.protocol import (
+    FLAG_SUM,
+    TAG_DATA,
+    TAG_HEADER,
+    TAG_RESTORE,
+    TAG_RESULT,
+    TAG_SNAPSHOT,
+    TAG_SPEC,
+    TAG_TRAILER,
+    Op,
+    Round,
+    agree,
+    header_len,
+    wire_header,
+)
+from geompi.ps.wan import TierCodec
+
+
+class GlobalServer:
+    """Shard ``index`` of the global model: ``topo.shard_bounds(numel, index)`` of each key."""
+
+    def __init__(
+        self,
+        comms: Communicators,
+        topo: Topology,
+        stats: LinkStats,
+        timeout: float | None = None,
+        codec: TierCodec | None = None,
+    ) -> None:
+        self.topo = topo
+        self.link = Link(comms.glob, WAN, stats)
+        self.world = comms.world
+        self._restore: dict | None = None
+        self.index = comms.glob.Get_rank() - topo.num_dcs
+        self.stats = stats
+        self.timeout = timeout
+        self.values: dict[int, torch.Tensor] = {}
+        self.optimizer: ServerOptimizer | None = None
+        self.outer: dict | None = None
+        self.outer_state: dict[int, dict[str, torch.Tensor]] = {}
+        self.updates = 0
+        self.codec = codec  # compression of the global tier's data rounds (geompi.ps.wan)
+
+    def configure(self, spec: dict) -> None:
+        """Apply a spec from the master worker: the optimizer and, for HFA, the outer one."""
+        if spec.get("optimizer"):
+            self.optimizer = ServerOptimizer(spec_from_dict(spec["optimizer"]))
+        if "outer" in spec:
+            self.outer = spec["outer"]
+        if spec.get("restore"):  # checkpointed state follows from the master worker
+            self._restore = self.world.recv(source=0, tag=TAG_RESTORE)
+
+    def run(self) -> None:
+        while self.serve_round():
+            pass
+
+    def report(self) -> dict:
+        """What this server contributes to the run's summary."""
+        return {"global_server": self.index, "updates": self.updates}
+
+    def serve_round(self) -> Round | None:
+        """Serve one synchronous round; returns it, or None once the workers are done."""
+        d = self.topo.num_dcs
+        reqs = Requests(self.stats, self.timeout, "the local servers")
+        headers = torch.zeros(d, header_len(), dtype=torch.float64)
+        for i in range(d):
+            self.link.irecv(reqs, headers[i], i, TAG_HEADER, count=False)
+        reqs.wait()
+        self.stats.received[WAN] += sum(8 * wire_header(h).numel() for h in headers)
+        rnd, weight, with_spec = agree(headers, list(range(d)), "global tier")
+        for ls in with_spec:
+            spec_t = torch.empty(int(Round.decode(headers[ls]).spec_len), dtype=torch.uint8)
+            self.link.comm.Recv(spec_t.numpy(), ls, TAG_SPEC)
+            self.configure(json.loads(spec_t.numpy().tobytes()))
+        if rnd.op is Op.STOP:
+            return None
+        if rnd.op is Op.ASYNC:
+            return rnd
+        if rnd.op is Op.SAVE:
+            self.send_snapshot()
+            return rnd
+        self._keep: list[torch.Tensor] = []  # payloads alive until their sends complete
+        compressed = self.codec is not None and rnd.op in (Op.GRAD, Op.AVG)
+        sizes = [self._slice_len(n) for _, n in rnd.keys]
+        if compressed:
+            incoming = [[self._payload(m) for m in sizes] for _ in range(d)]
+        else:
+            incoming = [[torch.empty(m, dtype=torch.float32) for m in sizes] for _ in range(d)]
+        trailers = torch.zeros(d, dtype=torch.float64)
+        for ls in range(d):
+            for i, buf in enumerate(incoming[ls]):
+                if sizes[i]:
+                    self.link.irecv(reqs, buf, ls, TAG_DATA + i)
+            self.link.irecv(reqs, trailers[ls : ls + 1], ls, TAG_TRAILER)
+        reqs.wait()
+        if compressed:
+            incoming = [
+                [self.codec.decode_push(p, m) for p, m in zip(row, sizes)] for row in incoming
+            ]
+        # A gradient from a datacenter that skipped a non-finite round (weight 0) is left out.
+        used = [ls for ls in range(d) if rnd.op is not Op.GRAD or trailers[ls] > 0]
+        weight = float(trailers[used].sum()) if used else 0.0
+        for i, (key, _) in enumerate(rnd.keys):
+            total = incoming[used[0]][i] if used else torch.zeros_like(incoming[0][i])
+            for ls in used[1:]:
+                total.add_(incoming[ls][i])
+            if compressed and rnd.op is Op.AVG:  # the pushes were relative to the replica
+                total.add_(self.codec.reference(key, sizes[i]), alpha=weight)
+            if used or key not in self.values:
+                self.apply(rnd, key, total, weight)
+            if not sizes[i]:
+                continue
+            result = self.values[key]
+            if compressed:
+                result = self.codec.encode_pull(key, result)
+                self._keep.append(result)
+            elif self.codec is not None and rnd.op is Op.INIT:
+                self.codec.set_replica(key, result)
+            for ls in range(d):
+                self.link.isend(reqs, result, ls, TAG_RESULT + i)
+        if self._restore is not None:
+            self.restore(self._restore)
+            self._restore = None
+        reqs.wait()
+        return rnd
+
+    def apply(
+        self, rnd: Round, key: int, total: torch.Tensor, weight: float, dc: int | None = None
+    ) -> None:
+        """What a round does to this server's slice of ``key``, given the sum over senders."""
+        if key not in self.values:
+            self.values[key] = total.clone()
+            return
+        if rnd.op is Op.INIT:  # in place: the optimizer state keeps pointing at it
+            self.values[key].copy_(total)
+            return
+        value = self.values[key]
+        if rnd.op is Op.GRAD:
+            self.updates += 1
+            if self.optimizer is None:  # KVStore without an optimizer: the value is the sum
+                value.copy_(total)
+            elif rnd.flags & FLAG_SUM:
+                self.optimizer.step(key, value, total, dc)
+            elif weight > 0:  # weight 0: every datacenter skipped a non-finite gradient
+                self.optimizer.step(key, value, total.div_(weight), dc)
+        elif rnd.op is Op.AVG:
+            self.updates += 1
+            outer_step(value, total.div_(weight), self.outer, self.outer_state.setdefault(key, {}))
+
+    # ---- checkpoints ----------------------------------------------------------------------
+    def snapshot(self) -> dict:
+        """This shard's values and optimizer state, per key (for the checkpoint writer)."""
+        return {
+            "index": self.index,
+            "values": {k: v.clone() for k, v in self.values.items()},
+            "state": self.optimizer.state_dict() if self.optimizer is not None else {},
+            "outer": {k: dict(st) for k, st in self.outer_state.items()},
+            "updates": self.updates,
+        }
+
+    def send_snapshot(self) -> None:
+        self.world.send(self.snapshot(), dest=0, tag=TAG_SNAPSHOT)
+
+    def restore(self, state: dict) -> None:
+        """Optimizer and outer state for this shard, re-sliced by the master worker."""
+        if self.optimizer is not None and state.get("state"):
+            self.optimizer.load_state_dict(self.values, state["state"])
+        self.outer_state = {k: dict(st) for k, st in state.get("outer", {}).items()}
+        self.updates = int(state.get("updates", 0))
+
+    def _slice_len(self, numel: int) -> int:
+        lo, hi = self.topo.shard_bounds(numel, self.index)
+        return hi - lo
+
+    def _payload(self, n: int) -> torch.Tensor:
+        return torch.empty(self.codec.nbytes(n), dtype=torch.uint8)

@@ -1,0 +1,335 @@
+"""LocalServer: sums its datacenter's pushes and talks to the global tier for it."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from functools import partial
+
+import torch
+
+from geompi.comm.linkmodel import Duplex, LinkModel
+from geompi.comm.topology import Communicators, Topology
+from geompi.comm.transport import LAN, WAN, Link, LinkStats, Requests
+from geompi.errors import NonFiniteError
+from geompi.ps.protocol import (
+    FLAG_GLOBAL,
+    TAG_DATA,
+    TAG_HEADER,
+    TAG_RESULT,
+    TAG_SPEC,
+    TAG_TRAILER,
+    Op,
+    Round,
+    agree,
+    header_len,
+    wire_header,
+)
+from geompi.ps.wan import TierCodec
+
+
+class SyncUplink:
+    """The synchronous global tier: point-to-point to every global server, in lock-step.
+
+    A round is pipelined per key: ``begin`` sends the header, ``send_key`` each key as soon as
+    its datacenter sum is ready, ``end`` a trailer with the datacenter's weight (0 when it
+    skipped a non-finite gradient), and ``receive`` posts one receive list per key so results
+    can go on to the workers key by key.
+
+    With an emulated WAN (``link_model``), sends wait in a queue until the model releases them
+    and results are held until the model delivers them. With a ``codec``, the data of gradient
+    and average rounds travels compressed (geompi.ps.wan).
+    """
+
+    def __init__(
+        self,
+        link: Link,
+        topo: Topology,
+        timeout: float | None = None,
+        link_model: LinkModel | None = None,
+        codec: TierCodec | None = None,
+    ) -> None:
+        self.link = link
+        self.topo = topo
+        self.timeout = timeout
+        self.wan = Duplex(link_model) if link_model is not None and link_model.active else None
+        self.codec = codec
+        self._queue: deque = deque()  # (release time, requests, tensor, dest, tag, control)
+
+    def _requests(self) -> Requests:
+        return Requests(self.link.stats, self.timeout, "the global servers")
+
+    def _compressed(self) -> bool:
+        return self.codec is not None and self.rnd.op in (Op.GRAD, Op.AVG)
+
+    # ---- sends, through the emulated link when there is one -----------------------------
+    def _send(self, reqs: Requests, t: torch.Tensor, dest: int, tag: int, control=False) -> None:
+        if self.wan is None:
+            self.link.isend(reqs, t, dest, tag, control)
+            return
+        due = self.wan.up.schedule(t.numel() * t.element_size())
+        self._queue.append((due, reqs, t, dest, tag, control))
+        self._flush(block=False)
+
+    def _flush(self, block: bool = True) -> None:
+        """Post the queued sends the link has released (all of them, waiting, if ``block``)."""
+        while self._queue:
+            due, reqs, t, dest, tag, control = self._queue[0]
+            if time.perf_counter() < due:
+                if not block:
+                    return
+                self.link.stats.held(WAN, self.wan.up.hold_until(due))
+            self._queue.popleft()
+            self.link.isend(reqs, t, dest, tag, control)
+
+    def _deliver(self, burst: list[float], nbytes: int) -> None:
+        """Hold a received result until the link delivers it. Results of one round leave the
+        global servers together, so they queue on the link from the first one's arrival."""
+        self.link.stats.held(WAN, self.wan.down.hold_burst(burst, nbytes))
+
+    # ---- one round ------------------------------------------------------------------------
+    def begin(self, rnd: Round, spec: bytes | None) -> None:
+        self.rnd = rnd
+        self.sends = self._requests()
+        hdr = wire_header(
+            Round(rnd.op, rnd.round_id, rnd.keys, 0.0, len(spec or b""), rnd.flags).encode()
+        )
+        spec_t = torch.frombuffer(bytearray(spec), dtype=torch.uint8) if spec else None
+        self._keep = [hdr] if spec_t is None else [hdr, spec_t]  # alive until sent
+        for gs in self._servers():
+            self._send(self.sends, hdr, gs, TAG_HEADER, control=True)
+            if spec_t is not None:
+                self._send(self.sends, spec_t, gs, TAG_SPEC, control=True)
+
+    def send_key(self, i: int, buf: torch.Tensor) -> None:
+        key, n = self.rnd.keys[i]
+        ref_weight = self.rnd.weight if self.rnd.op is Op.AVG else 0.0
+        for g, gs in enumerate(self._servers()):
+            lo, hi = self.topo.shard_bounds(n, g)
+            if hi > lo:
+                piece = buf[lo:hi]
+                if self._compressed():
+                    piece = self.codec.encode_push((key, g), piece, ref_weight)
+                    self._keep.append(piece)
+                self._send(self.sends, piece, gs, TAG_DATA + i)
+        self.sends.test()
+
+    def end(self, weight: float) -> None:
+        trailer = torch.tensor([weight], dtype=torch.float64)
+        self._keep.append(trailer)
+        for gs in self._servers():
+            self._send(self.sends, trailer, gs, TAG_TRAILER, control=True)
+
+    def receive(self, outs: list[torch.Tensor]) -> list[Requests]:
+        """Post the results' receives, one request list per key; the sends complete first."""
+        per_key, burst = [], []
+        for i, ((key, n), out) in enumerate(zip(self.rnd.keys, outs)):
+            reqs = self._requests()
+            nbytes = 0
+            for g, gs in enumerate(self._servers()):
+                lo, hi = self.topo.shard_bounds(n, g)
+                if hi <= lo:
+                    continue
+                if self._compressed():
+                    payload = torch.empty(self.codec.nbytes(hi - lo), dtype=torch.uint8)
+                    self.link.irecv(reqs, payload, gs, TAG_RESULT + i)
+                    decode = partial(self.codec.decode_pull, (key, g), payload, out[lo:hi])
+                    reqs.add_callback(decode)
+                    nbytes += payload.numel()
+                else:
+                    self.link.irecv(reqs, out[lo:hi], gs, TAG_RESULT + i)
+                    nbytes += 4 * (hi - lo)
+                    if self.codec is not None and self.rnd.op is Op.INIT:
+                        reqs.add_callback(partial(self.codec.set_replica, (key, g), out[lo:hi]))
+            if self.wan is not None:
+                reqs.add_callback(partial(self._deliver, burst, nbytes))
+            per_key.append(reqs)
+        self._flush()
+        self.sends.wait()
+        return per_key
+
+    def stop(self, rnd: Round, bufs: list[torch.Tensor]) -> None:
+        """The workers are done: tell every global server."""
+        self.send_header(rnd)
+
+    def save(self, rnd: Round, dc: int) -> None:
+        """A checkpoint: every global server sends its state to the master worker."""
+        self.send_header(rnd)
+
+    def send_header(self, rnd: Round) -> None:
+        reqs = self._requests()
+        hdr = wire_header(rnd.encode())
+        for gs in self._servers():
+            self._send(reqs, hdr, gs, TAG_HEADER, control=True)
+        self._flush()
+        reqs.wait()
+
+    def _servers(self) -> range:
+        d = self.topo.num_dcs
+        return range(d, d + self.topo.num_global_servers)
+
+
+class LocalServer:
+    """One per datacenter. Serves rounds until the workers send STOP.
+
+    GRAD and INIT rounds always go to the global tier. AVG rounds (HFA) are averaged here, and
+    every ``k2``-th one goes on to the global servers.
+    """
+
+    def __init__(
+        self,
+        comms: Communicators,
+        topo: Topology,
+        stats: LinkStats,
+        *,
+        k2: int = 1,
+        on_nonfinite: str = "abort",
+        timeout: float | None = None,
+        uplink=None,
+        slowdown: float = 1.0,
+        lan_model: LinkModel | None = None,
+    ) -> None:
+        self.topo = topo
+        self.dc = topo.dc_of(comms.world.Get_rank())
+        self.lan = Link(comms.dc, LAN, stats)
+        self.uplink = uplink or SyncUplink(Link(comms.glob, WAN, stats), topo, timeout)
+        self.k2 = k2
+        self.on_nonfinite = on_nonfinite
+        self.timeout = timeout
+        self.stats = stats
+        self.bufs: dict = {}  # key -> sum; (key, worker) -> that worker's push
+        self.avg_rounds: dict[int, int] = {}  # per key
+        self.skipped = 0
+        self.workers = topo.workers(self.dc)
+        self.slowdown = slowdown
+        self._round_end: float | None = None  # when the previous round's results went out
+        # --lan-bandwidth: this server's LAN port, shared by all its workers' traffic
+        self.lan_port = Duplex(lan_model) if lan_model is not None and lan_model.active else None
+
+    def run(self) -> None:
+        while self.serve_round():
+            pass
+
+    def serve_round(self) -> bool:
+        reqs = Requests(self.stats, self.timeout, f"the workers of datacenter {self.dc}")
+        mine = torch.zeros(header_len(), dtype=torch.float64)
+        headers = torch.zeros(self.lan.size, header_len(), dtype=torch.float64)
+        self.lan.igather(reqs, mine, headers, 0)
+        reqs.wait()
+        rnd, weight, with_spec = agree(headers[1:], self.workers, f"datacenter {self.dc}")
+        spec = None
+        if with_spec:
+            dc_rank = 1 + self.workers.index(with_spec[0])
+            spec_t = torch.empty(int(Round.decode(headers[dc_rank]).spec_len), dtype=torch.uint8)
+            self.lan.comm.Recv(spec_t.numpy(), dc_rank, TAG_SPEC)
+            spec = spec_t.numpy().tobytes()
+        if rnd.op is Op.SAVE:
+            self.uplink.save(rnd, self.dc)
+            return True
+        bufs = [self._buffer(k, n) for k, n in rnd.keys]
+        if rnd.op is Op.STOP:  # MixedSync's STOP carries keys: the final global parameters
+            self.uplink.stop(rnd, bufs)
+            self._send_results(reqs, bufs)
+            return False
+        incoming = self._receive_pushes(rnd)
+        due = set(range(len(bufs)))  # the keys that go on to the global tier
+        if rnd.op is Op.AVG:  # K2 is counted per key: GeoMX users push one key per round
+            for k, _ in rnd.keys:
+                self.avg_rounds[k] = self.avg_rounds.get(k, 0) + 1
+            due = {i for i, (k, _) in enumerate(rnd.keys) if self.avg_rounds[k] % self.k2 == 0}
+        up_index = {i: u for u, i in enumerate(sorted(due))}
+        if due:
+            flags = rnd.flags | (FLAG_GLOBAL if rnd.op is Op.AVG else 0)
+            self.uplink.begin(
+                Round(rnd.op, rnd.round_id, [rnd.keys[i] for i in sorted(due)], weight, 0, flags),
+                spec,
+            )
+        for i, (total, (reqs_i, per_worker)) in enumerate(zip(bufs, incoming)):
+            reqs_i.wait()
+            self._lan_hold(self.lan_port and self.lan_port.down, total.numel() * len(per_worker))
+            total.copy_(per_worker[0])
+            for buf in per_worker[1:]:
+                total.add_(buf)
+            if rnd.op in (Op.GRAD, Op.AVG) and not bool(torch.isfinite(total).all()):
+                weight = self._nonfinite(rnd)  # raises, or 0: the global servers skip us
+            if i in due:
+                self.uplink.send_key(up_index[i], total)
+            else:  # an HFA datacenter average (a non-finite one raised above)
+                total.div_(weight)
+        outs, results = bufs, []
+        if due:
+            self.uplink.end(weight)
+            outs = [
+                self._buffer((k, "out"), n) if i in due else bufs[i]
+                for i, (k, n) in enumerate(rnd.keys)
+            ]
+            results = self.uplink.receive([outs[i] for i in sorted(due)])
+        if self.slowdown > 1.0:  # emulation: hold the whole round before answering
+            for r in results:
+                r.wait()
+            self._emulate_slowdown()
+        ready = {i: results[up_index[i]] for i in due}
+        self._send_results(reqs, outs, ready)
+        self._round_end = time.perf_counter()
+        if rnd.op is Op.INIT:  # the time split covers training, not the start-up
+            self.stats.reset_time()
+        return True
+
+    def _emulate_slowdown(self) -> None:
+        """``--dc-slowdown``: hold the round so this datacenter's steps take ``slowdown`` times
+        as long. Done here, by the one process that sees the whole round, so the workers never
+        disagree about how long to wait (emulation, not a real slower network or GPU)."""
+        if self._round_end is not None:
+            time.sleep((time.perf_counter() - self._round_end) * (self.slowdown - 1.0))
+
+    def _receive_pushes(self, rnd: Round) -> list[tuple[Requests, list[torch.Tensor]]]:
+        """Post the receives of every worker's push, one request list per key."""
+        out = []
+        for i, (key, n) in enumerate(rnd.keys):
+            reqs = Requests(self.stats, self.timeout, f"the workers of datacenter {self.dc}")
+            per_worker = [self._buffer((key, j), n) for j in range(len(self.workers))]
+            for j, buf in enumerate(per_worker):
+                self.lan.irecv(reqs, buf, 1 + j, TAG_DATA + i)
+            out.append((reqs, per_worker))
+        return out
+
+    def _send_results(
+        self, reqs: Requests, bufs: list[torch.Tensor], ready: dict[int, Requests] | None = None
+    ) -> None:
+        """Every key's result to every worker; key i waits for ``ready[i]`` (its global result)."""
+        for i, b in enumerate(bufs):
+            if ready and i in ready:
+                ready[i].wait()
+            for j in range(len(self.workers)):
+                self._lan_hold(self.lan_port and self.lan_port.up, b.numel())
+                self.lan.isend(reqs, b, 1 + j, TAG_RESULT + i)
+        reqs.wait()
+
+    def _lan_hold(self, channel, numel: int) -> None:
+        """--lan-bandwidth: wait until the emulated LAN port has moved ``numel`` fp32 values."""
+        if channel is not None:
+            self.stats.held(LAN, channel.hold_until(channel.schedule(4 * numel)))
+
+    def report(self) -> dict:
+        """What this server contributes to the run's summary."""
+        return {"dc": self.dc, "skipped_nonfinite": self.skipped}
+
+    def _buffer(self, key, numel: int) -> torch.Tensor:
+        """A reused fp32 buffer per key (or per (key, worker)); its contents are overwritten."""
+        b = self.bufs.get(key)
+        if b is None or b.numel() != numel:
+            b = torch.zeros(numel, dtype=torch.float32)
+            self.bufs[key] = b
+        return b
+
+    def _nonfinite(self, rnd: Round) -> float:
+        """A NaN/Inf in this datacenter's sum: abort (default) or skip this gradient round."""
+        ranks = f"ranks {self.workers[0]}-{self.workers[-1]}"
+        what = "gradient" if rnd.op is Op.GRAD else "parameter average"
+        if self.on_nonfinite == "skip" and rnd.op is Op.GRAD:
+            self.skipped += 1
+            return 0.0
+        raise NonFiniteError(
+            f"non-finite {what} from datacenter {self.dc} ({ranks}) at step {rnd.step} "
+            f"(round {rnd.round_id}): lower --lr, check the data, or pass --on-nonfinite skip"
+        )

@@ -1,0 +1,118 @@
+"""The round protocol shared by workers, local servers and global servers.
+
+A synchronous round starts with a fixed-size header that every worker sends to its local server
+(``Igather``), then one ``Ireduce`` per key (worker -> local server), then one ``Ibcast`` per key
+(local server -> workers). Headers must agree across workers: a mismatch is a ProtocolError, not a
+hang. The header is float64, so weights (sample counts, or 1/num_workers) travel exactly.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from geompi.errors import ProtocolError
+
+
+class Op(enum.IntEnum):
+    """What a round does to its keys."""
+
+    INIT = 1  # the master worker's values become the global values
+    GRAD = 2  # weighted gradient sum -> the global servers' optimizer
+    AVG = 3  # weighted parameter average: per datacenter, and globally every K2-th time
+    STOP = 4  # the workers are done; servers leave their loops
+    SAVE = 5  # global servers hand their optimizer state to the master worker
+    ASYNC = 6  # local servers switch the global tier to one-sided windows (MixedSync)
+
+
+FLAG_SUM = 1  # GRAD: apply the optimizer to the plain sum (KVStore semantics), not the mean
+FLAG_GLOBAL = 2  # AVG: set by the local server when this round goes to the global tier
+
+MAX_KEYS = 256
+_FIXED = 7  # op, round, weight, nkeys, spec_len, flags, step
+
+TAG_SNAPSHOT = 21  # on the world communicator: a global server's state -> the master worker
+TAG_RESTORE = 22  # on the world communicator: checkpointed state -> a global server
+TAG_HEADER = 11
+TAG_TRAILER = 13  # after a round's data: the sender's final weight (0: it skipped the round)
+TAG_SPEC = 12
+TAG_DATA = 1000  # + position of the key in the round
+TAG_RESULT = 1000 + MAX_KEYS
+
+
+@dataclass
+class Round:
+    """One round: the op, the keys (id, numel) in send order, this sender's weight."""
+
+    op: Op
+    round_id: int
+    keys: list[tuple[int, int]] = field(default_factory=list)
+    weight: float = 0.0
+    spec_len: int = 0
+    flags: int = 0
+    step: int = 0  # the sender's training step, for messages
+
+    def encode(self) -> torch.Tensor:
+        if len(self.keys) > MAX_KEYS:
+            raise ValueError(f"a round carries at most {MAX_KEYS} keys")
+        h = torch.zeros(header_len(), dtype=torch.float64)
+        h[:_FIXED] = torch.tensor(
+            [
+                int(self.op),
+                self.round_id,
+                self.weight,
+                len(self.keys),
+                self.spec_len,
+                self.flags,
+                self.step,
+            ],
+            dtype=torch.float64,
+        )
+        for i, (k, n) in enumerate(self.keys):
+            h[_FIXED + 2 * i] = k
+            h[_FIXED + 2 * i + 1] = n
+        return h
+
+    @classmethod
+    def decode(cls, h: torch.Tensor) -> Round:
+        op, rid, weight, nkeys, spec_len, flags, step = h[:_FIXED].tolist()
+        keys = [(int(h[_FIXED + 2 * i]), int(h[_FIXED + 2 * i + 1])) for i in range(int(nkeys))]
+        return cls(Op(int(op)), int(rid), keys, weight, int(spec_len), int(flags), int(step))
+
+
+def header_len() -> int:
+    """The fixed header length (float64s): room for MAX_KEYS keys."""
+    return _FIXED + 2 * MAX_KEYS
+
+
+def wire_header(h: torch.Tensor) -> torch.Tensor:
+    """The used prefix of an encoded header, which is what crosses the WAN: the receiver posts
+    a full-length receive into a zeroed buffer, and MPI allows a shorter message."""
+    return h[: _FIXED + 2 * int(h[3])]
+
+
+def agree(headers: torch.Tensor, senders: list[int], where: str) -> tuple[Round, float, list[int]]:
+    """Check that all senders' headers describe the same round.
+
+    Returns (the round, the summed weight, the senders that attached an optimizer spec).
+    """
+    rounds = [Round.decode(h) for h in headers]
+    first = rounds[0]
+    for sender, r in zip(senders, rounds):
+        if (r.op, r.round_id, r.keys, r.flags) != (
+            first.op,
+            first.round_id,
+            first.keys,
+            first.flags,
+        ):
+            raise ProtocolError(
+                f"{where}: rank {sender} sent round {r.round_id} {r.op.name} keys "
+                f"{[k for k, _ in r.keys]} but rank {senders[0]} sent round {first.round_id} "
+                f"{first.op.name} keys {[k for k, _ in first.keys]}: every worker must push "
+                "the same keys in the same order"
+            )
+    weight = float(sum(r.weight for r in rounds))
+    with_spec = [s for s, r in zip(senders, rounds) if r.spec_len]
+    return first, weight, with_spec

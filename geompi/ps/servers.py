@@ -1,0 +1,60 @@
+"""Build the server a rank plays, for the chosen algorithm."""
+
+from __future__ import annotations
+
+from geompi.comm.topology import Communicators, Role, Topology
+from geompi.comm.transport import WAN, Link, LinkStats
+from geompi.ps.async_tier import AsyncGlobalServer, AsyncUplink
+from geompi.ps.global_server import GlobalServer
+from geompi.ps.local_server import LocalServer, SyncUplink
+from geompi.ps.wan import TierCodec, WanSettings
+
+
+def make_server(
+    sync: str,
+    topo: Topology,
+    comms: Communicators,
+    stats: LinkStats,
+    *,
+    k2: int = 1,
+    on_nonfinite: str = "abort",
+    timeout: float | None = None,
+    max_staleness: int | None = None,
+    slowdown: dict[int, float] | None = None,
+    wan: WanSettings | None = None,
+) -> LocalServer | GlobalServer:
+    """The LocalServer or GlobalServer of this rank; MixedSync's use the one-sided global tier.
+
+    ``wan`` emulates the links (at the local servers, which own their datacenter's WAN link)
+    and sets the global tier's compression (on both tiers' servers).
+    """
+    rank = comms.world.Get_rank()
+    role = topo.role(rank)
+    wan = wan or WanSettings()
+    compressor = wan.compressor()
+    codec = TierCodec(compressor) if compressor.name != "none" else None
+    if role is Role.GLOBAL_SERVER:  # staggered: the local servers' watchdog speaks first
+        cls = AsyncGlobalServer if sync == "mixed" else GlobalServer
+        return cls(comms, topo, stats, timeout=timeout and 2 * timeout, codec=codec)
+    if role is not Role.LOCAL_SERVER:
+        raise ValueError(f"rank {rank} is a worker, not a server")
+    # The watchdog grows with the distance to whoever may be stuck, so the rank next to it
+    # reports first: local server -> workers 1x, global -> local 2x, local -> global 3x
+    # (+0.5 s per datacenter, so two local servers never report together), workers 4x.
+    dc = topo.dc_of(rank)
+    uplink = SyncUplink(
+        Link(comms.glob, WAN, stats), topo, timeout and 3 * timeout + 0.5 * dc, wan.wan, codec
+    )
+    if sync == "mixed":
+        uplink = AsyncUplink(uplink, topo, dc, max_staleness)
+    return LocalServer(
+        comms,
+        topo,
+        stats,
+        k2=k2 if sync == "hfa" else 1,
+        on_nonfinite=on_nonfinite,
+        timeout=timeout,
+        uplink=uplink,
+        slowdown=(slowdown or {}).get(dc, 1.0),
+        lan_model=wan.lan,
+    )
