@@ -1,0 +1,407 @@
+"""RunConfig: every setting of a run, from CLI flags, environment variables and API keywords.
+
+Precedence: an explicit flag or keyword, then ``GEOMPI_*`` variables, then GeoMX's ``MXNET_*``
+aliases, then defaults. ``validate()`` is pure and runs on every rank before any collective call,
+so an invalid configuration fails identically everywhere and nothing hangs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields
+
+from geompi.errors import ConfigError
+
+SYNCS = ("fsa", "mixed", "hfa")
+ON_NONFINITE = ("abort", "skip")
+
+
+@dataclass
+class RunConfig:
+    """The settings of one training run. Field names match the CLI flags (dashes -> underscores)."""
+
+    sync: str = "fsa"
+    # topology
+    dcs: int | None = None
+    dc_sizes: tuple[int, ...] | None = None
+    global_servers: int | None = None
+    dc_map: str = "blocks"
+    # model, data, optimization
+    model: str = "cnn"
+    dataset: str = "digits"
+    data_dir: str | None = None
+    synthetic_size: int = 4096
+    batch_size: int = 16
+    lr: float | None = None
+    optimizer: str = "sgd"
+    momentum: float | None = None
+    weight_decay: float = 0.0
+    nesterov: bool = False
+    epochs: float | None = None
+    steps: int | None = None
+    seed: int = 0
+    split_by_class: bool = False
+    bucket_mb: float = 1.0
+    # HFA
+    k1: int = 1
+    k2: int = 1
+    hfa_weighting: str = "samples"
+    hfa_reset_optimizer: bool = False
+    outer_optimizer: str = "sgd"
+    outer_lr: float = 1.0
+    # MixedSync / DCASGD
+    dcasgd_lambda: float = 0.04
+    dcasgd_adaptive: bool = False
+    max_staleness: int | None = None
+    dc_slowdown: dict[int, float] = field(default_factory=dict)
+    # WAN emulation and compression (geompi.ps.wan)
+    wan_bandwidth: str | None = None
+    wan_latency: str | None = None
+    lan_bandwidth: str | None = None
+    wan_compression: str = "none"
+    # output
+    eval_every: int = 0
+    metrics: str | None = None
+    progress_every: float = 5.0
+    # checkpoints
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    keep: int = 3
+    resume: str | None = None
+    # reliability
+    comm_timeout: float | None = None
+    on_nonfinite: str = "abort"
+    # where each value came from, for messages
+    sources: dict[str, str] = field(default_factory=dict, repr=False)
+
+    # ---- derived --------------------------------------------------------------------------
+    @property
+    def effective_lr(self) -> float:
+        if self.lr is not None:
+            return self.lr
+        return {"sgd": 0.05, "dcasgd": 0.1}.get(self.optimizer, 1e-3)
+
+    @property
+    def effective_momentum(self) -> float:
+        """0.9, but 0.5 for MixedSync: asynchrony already adds implicit momentum."""
+        if self.momentum is not None:
+            return self.momentum
+        return 0.5 if self.sync == "mixed" else 0.9
+
+    def wan_settings(self):
+        """The emulated links and WAN compressor (raises ConfigError on a bad value)."""
+        from geompi.ps.wan import WanSettings
+
+        try:
+            return WanSettings.parse(
+                self.wan_bandwidth, self.wan_latency, self.lan_bandwidth, self.wan_compression
+            )
+        except ConfigError as e:  # name the variable when the value came from the environment
+            msg = str(e)
+            for name in ("wan_bandwidth", "wan_latency", "lan_bandwidth", "wan_compression"):
+                src = self.sources.get(name, "")
+                if src.startswith("GEOMPI_"):
+                    msg = msg.replace("--" + name.replace("_", "-"), src)
+            raise ConfigError(msg) from None
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d.pop("sources")
+        d["dc_slowdown"] = {str(k): v for k, v in self.dc_slowdown.items()}
+        return json.dumps(d, sort_keys=True)
+
+    # ---- validation -----------------------------------------------------------------------
+    def validate(self) -> RunConfig:
+        """Check every setting that does not need the world or the data; returns self."""
+        from geompi.data import DATASETS
+        from geompi.models import MODELS
+        from geompi.ps.optim import OPTIMIZERS
+
+        if self.sync not in SYNCS:
+            raise ConfigError(f"unknown --sync {self.sync!r}: choose one of {', '.join(SYNCS)}")
+        if self.model not in MODELS:
+            raise ConfigError(f"unknown --model {self.model!r}: choose one of {', '.join(MODELS)}")
+        if self.dataset not in DATASETS:
+            raise ConfigError(
+                f"unknown --dataset {self.dataset!r}: choose one of {', '.join(DATASETS)}"
+            )
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(
+                f"unknown --optimizer {self.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}"
+            )
+        if self.optimizer == "dcasgd" and self.sync == "hfa":
+            raise ConfigError(
+                "--optimizer dcasgd runs at the global server of --sync mixed (or fsa): "
+                "use --sync mixed, or another --optimizer with hfa"
+            )
+        _positive_int(self, "batch_size", "--batch-size")
+        _positive_int(self, "k1", "--k1")
+        _positive_int(self, "k2", "--k2")
+        if self.lr is not None and not (math.isfinite(self.lr) and self.lr > 0):
+            raise ConfigError(f"--lr {self.lr}: the learning rate must be a finite number > 0")
+        if not (math.isfinite(self.outer_lr) and self.outer_lr > 0):
+            raise ConfigError(f"--outer-lr {self.outer_lr}: must be a finite number > 0")
+        for name in ("effective_momentum", "weight_decay", "dcasgd_lambda"):
+            v = getattr(self, name)
+            name = name.replace("effective_", "")
+            if not (math.isfinite(v) and v >= 0):
+                raise ConfigError(f"--{name.replace('_', '-')} {v}: must be a finite number >= 0")
+        if self.steps is not None and self.steps < 1:
+            raise ConfigError(f"--steps {self.steps}: must be at least 1")
+        if self.epochs is not None and not (math.isfinite(self.epochs) and self.epochs > 0):
+            raise ConfigError(f"--epochs {self.epochs}: must be a number > 0")
+        if self.steps is not None and self.epochs is not None:
+            raise ConfigError("--steps and --epochs both given: pass only one of them")
+        if self.hfa_weighting not in ("samples", "uniform"):
+            raise ConfigError(
+                f"unknown --hfa-weighting {self.hfa_weighting!r}: choose samples or uniform"
+            )
+        if self.outer_optimizer not in ("sgd", "nesterov"):
+            raise ConfigError(
+                f"unknown --outer-optimizer {self.outer_optimizer!r}: choose sgd or nesterov"
+            )
+        if self.on_nonfinite not in ON_NONFINITE:
+            raise ConfigError(f"unknown --on-nonfinite {self.on_nonfinite!r}: choose abort or skip")
+        if self.dc_map not in ("blocks", "nodes"):
+            raise ConfigError(f"unknown --dc-map {self.dc_map!r}: choose blocks or nodes")
+        if self.max_staleness is not None and self.max_staleness < 1:
+            raise ConfigError(f"--max-staleness {self.max_staleness}: must be at least 1")
+        if self.bucket_mb <= 0:
+            raise ConfigError(f"--bucket-mb {self.bucket_mb}: must be > 0")
+        if self.comm_timeout is not None and self.comm_timeout <= 0:
+            raise ConfigError(f"--comm-timeout {self.comm_timeout}: must be > 0 seconds")
+        if self.checkpoint_every < 0:
+            raise ConfigError(f"--checkpoint-every {self.checkpoint_every}: must be >= 0")
+        if self.keep < 1:
+            raise ConfigError(f"--keep {self.keep}: keep at least 1 checkpoint")
+        if (self.checkpoint_every or self.resume == "latest") and not self.checkpoint_dir:
+            flag = "--checkpoint-every" if self.checkpoint_every else "--resume latest"
+            raise ConfigError(f"{flag} needs --checkpoint-dir DIR")
+        period = self.k1 * self.k2
+        if self.sync == "hfa" and self.checkpoint_every % period:
+            lo = max(period, self.checkpoint_every // period * period)
+            raise ConfigError(
+                f"--checkpoint-every {self.checkpoint_every} is not a multiple of K1*K2 = {period}:"
+                f" HFA checkpoints at global syncs; use {lo} or {lo + period}"
+            )
+        for dc, factor in self.dc_slowdown.items():
+            if not (math.isfinite(factor) and factor >= 1):
+                raise ConfigError(f"--dc-slowdown {dc}:{factor}: the factor must be >= 1")
+        self.wan_settings()
+        return self
+
+
+def _positive_int(cfg: RunConfig, name: str, flag: str) -> None:
+    v = getattr(cfg, name)
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        src = cfg.sources.get(name, flag)
+        raise ConfigError(f"{src} {v!r}: must be a whole number >= 1")
+
+
+# ---- parsing ------------------------------------------------------------------------------
+def _int(flag: str):
+    def parse(s: str) -> int:
+        try:
+            return int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} takes a whole number, not {s!r}") from None
+
+    return parse
+
+
+def _float(s: str) -> float:
+    try:
+        return float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, not {s!r}") from None
+
+
+def parse_sizes(s: str, what: str = "--dc-sizes") -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in s.split(",") if x.strip())
+    except ValueError:
+        raise ConfigError(f"{what} {s!r}: give comma-separated whole numbers, e.g. 5,5,5") from None
+
+
+def parse_slowdown(s: str) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for part in s.split(","):
+        if not part.strip():
+            continue
+        try:
+            dc, factor = part.split(":")
+            out[int(dc)] = float(factor)
+        except ValueError:
+            raise ConfigError(
+                f"--dc-slowdown {s!r}: give DC:FACTOR pairs, e.g. 1:3 or 1:3,2:1.5"
+            ) from None
+    return out
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises ConfigError (one line, reported once) instead of exiting."""
+
+    def error(self, message: str):
+        raise ConfigError(f"{message}: see python -m geompi.train --help")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="python -m geompi.train",
+        description="Train a PyTorch model across datacenters over MPI "
+        "(run under mpirun, e.g. mpirun -n 16 python -m geompi.train).",
+    )
+    a = p.add_argument_group("algorithm")
+    a.add_argument("--sync", choices=None, help="fsa (default), mixed or hfa")
+    a.add_argument("--mixed-sync", action="store_true", help="GeoMX alias for --sync mixed")
+    a.add_argument("--dcasgd", action="store_true", help="GeoMX alias for --optimizer dcasgd")
+    a.add_argument("--k1", type=_int("--k1"), help="HFA: local steps per datacenter average")
+    a.add_argument("--k2", type=_int("--k2"), help="HFA: datacenter averages per global one")
+    a.add_argument("--hfa-weighting", help="samples (default) or uniform (GeoMX)")
+    a.add_argument("--hfa-reset-optimizer", action="store_true", default=None)
+    a.add_argument("--outer-optimizer", help="HFA global tier: sgd (default) or nesterov")
+    a.add_argument("--outer-lr", type=_float, help="HFA outer learning rate (default 1)")
+    a.add_argument("--dcasgd-lambda", type=_float, help="DCASGD lambda (default 0.04)")
+    a.add_argument("--dcasgd-adaptive", action="store_true", default=None)
+    a.add_argument("--max-staleness", type=_int("--max-staleness"))
+    a.add_argument("--dc-slowdown", help="emulation: DC:FACTOR, e.g. 1:3 makes DC 1 3x slower")
+    w = p.add_argument_group("WAN emulation and compression (the global tier)")
+    w.add_argument("--wan-bandwidth", help="emulate each datacenter's WAN link, e.g. 100Mbit")
+    w.add_argument("--wan-latency", help="one-way WAN latency to emulate, e.g. 25ms")
+    w.add_argument("--lan-bandwidth", help="emulate each local server's LAN port, e.g. 10Gbit")
+    w.add_argument("--wan-compression", help="none (default), fp16, bf16 or topk:FRACTION")
+    t = p.add_argument_group("topology")
+    t.add_argument("--dcs", type=_int("--dcs"), help="number of datacenters")
+    t.add_argument("--dc-sizes", help="ranks per datacenter incl. its local server, e.g. 5,5,5")
+    t.add_argument("--global-servers", type=_int("--global-servers"))
+    t.add_argument("--dc-map", help="blocks (default) or nodes: one datacenter per node")
+    m = p.add_argument_group("model and data")
+    m.add_argument("--model", help="linear, mlp or cnn (default)")
+    m.add_argument("--dataset", help="digits (default), mnist, fashion-mnist, hdf5, synthetic")
+    m.add_argument("--data-dir")
+    m.add_argument("--synthetic-size", type=_int("--synthetic-size"))
+    m.add_argument("--batch-size", type=_int("--batch-size"), help="per worker (default 16)")
+    m.add_argument("--lr", type=_float)
+    m.add_argument("--optimizer", help="sgd (default), adam, adamw or dcasgd")
+    m.add_argument("--momentum", type=_float)
+    m.add_argument("--weight-decay", type=_float)
+    m.add_argument("--nesterov", action="store_true", default=None)
+    m.add_argument("--epochs", type=_float)
+    m.add_argument("--steps", type=_int("--steps"))
+    m.add_argument("--seed", type=_int("--seed"))
+    m.add_argument("--split-by-class", action="store_true", default=None)
+    m.add_argument("--bucket-mb", type=_float, help="gradient bucket size (default 1 MB)")
+    o = p.add_argument_group("output, checkpoints, reliability")
+    o.add_argument("--eval-every", type=_int("--eval-every"))
+    o.add_argument("--metrics", help="JSON-lines metrics file written by rank 0")
+    o.add_argument("--progress-every", type=_float, help="seconds between progress lines")
+    o.add_argument("--checkpoint-dir")
+    o.add_argument("--checkpoint-every", type=_int("--checkpoint-every"))
+    o.add_argument("--keep", type=_int("--keep"))
+    o.add_argument("--resume", help="a checkpoint file, or 'latest' in --checkpoint-dir")
+    o.add_argument("--comm-timeout", type=_float, help="seconds a server waits for a peer")
+    o.add_argument("--on-nonfinite", help="abort (default) or skip")
+    return p
+
+
+_ENV = {
+    "sync": "GEOMPI_SYNC",
+    "dcs": "GEOMPI_DCS",
+    "dc_sizes": "GEOMPI_DC_SIZES",
+    "global_servers": "GEOMPI_GLOBAL_SERVERS",
+    "k1": "GEOMPI_HFA_K1",
+    "k2": "GEOMPI_HFA_K2",
+    "wan_bandwidth": "GEOMPI_WAN_BANDWIDTH",
+    "wan_latency": "GEOMPI_WAN_LATENCY",
+    "lan_bandwidth": "GEOMPI_LAN_BANDWIDTH",
+    "wan_compression": "GEOMPI_WAN_COMPRESSION",
+}
+_ENV_STR = ("sync", "wan_bandwidth", "wan_latency", "lan_bandwidth", "wan_compression")
+_GEOMX = {"k1": "MXNET_KVSTORE_HFA_K1", "k2": "MXNET_KVSTORE_HFA_K2"}
+
+
+def _env_int(env: Mapping[str, str], var: str) -> int:
+    try:
+        return int(env[var])
+    except ValueError:
+        raise ConfigError(f"{var}={env[var]!r}: must be a whole number") from None
+
+
+def from_env(env: Mapping[str, str] | None = None) -> dict:
+    """Settings from ``GEOMPI_*`` and GeoMX's ``MXNET_KVSTORE_*`` variables."""
+    env = os.environ if env is None else env
+    out: dict = {}
+    sources: dict[str, str] = {}
+    for name, var in _ENV.items():
+        if env.get(var, "").strip() == "":
+            continue
+        if name in _ENV_STR:
+            out[name] = env[var].strip()
+        elif name == "dc_sizes":
+            out[name] = parse_sizes(env[var], var)
+        else:
+            out[name] = _env_int(env, var)
+        sources[name] = var
+    for name, var in _GEOMX.items():
+        if env.get(var, "").strip() == "":
+            continue
+        v = _env_int(env, var)
+        if name in out and out[name] != v:
+            raise ConfigError(f"{_ENV[name]}={out[name]} and {var}={v} disagree: unset one of them")
+        out.setdefault(name, v)
+        sources.setdefault(name, var)
+    hfa = env.get("MXNET_KVSTORE_USE_HFA", "").strip()
+    if hfa not in ("", "0"):
+        if hfa != "1":
+            raise ConfigError(f"MXNET_KVSTORE_USE_HFA={hfa!r}: must be 0 or 1")
+        if out.get("sync", "hfa") != "hfa":
+            raise ConfigError(
+                f"GEOMPI_SYNC={out['sync']} and MXNET_KVSTORE_USE_HFA=1 disagree: unset one"
+            )
+        out["sync"] = "hfa"
+        sources["sync"] = "MXNET_KVSTORE_USE_HFA"
+    out["sources"] = sources
+    return out
+
+
+def make_config(
+    argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None, **kwargs
+) -> RunConfig:
+    """Build a RunConfig from CLI args (if given), the environment and keyword arguments."""
+    values = from_env(env)
+    sources = values.pop("sources")
+    if argv is not None:
+        ns = build_parser().parse_args(list(argv))
+        cli = {k: v for k, v in vars(ns).items() if v is not None and v is not False}
+        if cli.pop("mixed_sync", False):
+            if cli.get("sync", "mixed") != "mixed":
+                raise ConfigError(f"--mixed-sync conflicts with --sync {cli['sync']}: drop one")
+            cli["sync"] = "mixed"
+        if cli.pop("dcasgd", False):
+            if cli.get("optimizer", "dcasgd") != "dcasgd":
+                raise ConfigError(
+                    f"--dcasgd conflicts with --optimizer {cli['optimizer']}: drop one"
+                )
+            cli["optimizer"] = "dcasgd"
+        if "dc_sizes" in cli:
+            cli["dc_sizes"] = parse_sizes(cli["dc_sizes"])
+        if "dc_slowdown" in cli:
+            cli["dc_slowdown"] = parse_slowdown(cli["dc_slowdown"])
+        for k in cli:
+            sources[k] = "--" + k.replace("_", "-")
+        values.update(cli)
+    for k, v in kwargs.items():
+        if v is not None:
+            values[k] = tuple(v) if k == "dc_sizes" else v
+            sources[k] = k
+    known = {f.name for f in fields(RunConfig)}
+    unknown = set(values) - known
+    if unknown:
+        raise ConfigError(f"unknown setting(s) {', '.join(sorted(unknown))}")
+    cfg = RunConfig(**values)
+    cfg.sources = sources
+    return cfg

@@ -1,0 +1,535 @@
+"""Datasets, per-worker shards, a resumable batch loader and evaluation.
+
+Every dataset is loaded whole into memory as float32 tensors of shape (N, C, H, W), normalized
+with the training set's per-channel mean and standard deviation. Every user-facing failure is a
+one-line `DataError` (or `ConfigError`) that names the problem and the fix.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from geompi.errors import CheckpointError, ConfigError, DataError
+
+DATASETS = ("digits", "mnist", "fashion-mnist", "hdf5", "synthetic")
+
+DIGITS_TEST_SIZE = 360
+IDX_FILES = {
+    "x_train": "train-images-idx3-ubyte",
+    "y_train": "train-labels-idx1-ubyte",
+    "x_test": "t10k-images-idx3-ubyte",
+    "y_test": "t10k-labels-idx1-ubyte",
+}
+_IDX_DTYPES = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
+_PRETTY = {"mnist": "MNIST", "fashion-mnist": "Fashion-MNIST"}
+_HDF5_SUFFIXES = (".h5", ".hdf5")
+
+
+@dataclass
+class Dataset:
+    """A classification dataset in memory: float32 images (N, C, H, W) and int64 labels."""
+
+    name: str
+    x_train: torch.Tensor
+    y_train: torch.Tensor
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+    num_classes: int
+
+    @property
+    def input_shape(self) -> tuple[int, int, int]:
+        """The shape (C, H, W) of one sample."""
+        c, h, w = self.x_train.shape[1:]
+        return (int(c), int(h), int(w))
+
+
+def load_dataset(
+    name: str, data_dir: str | None = None, *, synthetic_size: int = 4096, seed: int = 0
+) -> Dataset:
+    """Load dataset `name` (one of DATASETS); mnist, fashion-mnist and hdf5 read `data_dir`."""
+    if name == "digits":
+        return _load_digits()
+    if name in ("mnist", "fashion-mnist"):
+        return _load_idx(name, data_dir)
+    if name == "hdf5":
+        return _load_hdf5(data_dir)
+    if name == "synthetic":
+        return _make_synthetic(synthetic_size, seed)
+    raise ConfigError(f"unknown --dataset {name!r}: choose one of {', '.join(DATASETS)}")
+
+
+def _finish(
+    name: str,
+    x_train: np.ndarray | torch.Tensor,
+    y_train: np.ndarray | torch.Tensor,
+    x_test: np.ndarray | torch.Tensor,
+    y_test: np.ndarray | torch.Tensor,
+    num_classes: int,
+) -> Dataset:
+    """Convert to tensors and normalize both splits with the train split's per-channel stats."""
+    xtr = torch.as_tensor(x_train, dtype=torch.float32)
+    xte = torch.as_tensor(x_test, dtype=torch.float32)
+    mean = xtr.mean(dim=(0, 2, 3), keepdim=True)
+    std = xtr.std(dim=(0, 2, 3), keepdim=True)
+    std = torch.where(std > 1e-8, std, torch.ones_like(std))
+    return Dataset(
+        name=name,
+        x_train=((xtr - mean) / std).contiguous(),
+        y_train=torch.as_tensor(y_train, dtype=torch.int64).contiguous(),
+        x_test=((xte - mean) / std).contiguous(),
+        y_test=torch.as_tensor(y_test, dtype=torch.int64).contiguous(),
+        num_classes=int(num_classes),
+    )
+
+
+# --- digits -------------------------------------------------------------------------------------
+
+
+def digits_split(labels: np.ndarray, test_size: int = DIGITS_TEST_SIZE) -> tuple[np.ndarray, ...]:
+    """Fixed stratified split: (train indices, test indices), both sorted, from RandomState(0).
+
+    Each class gives its proportional share of `test_size` (largest remainders round up).
+    """
+    labels = np.asarray(labels)
+    classes, counts = np.unique(labels, return_counts=True)
+    quota = counts * test_size / len(labels)
+    take = np.floor(quota).astype(np.int64)
+    # Hand out the remaining test slots by largest fractional part (ties: lower class first).
+    order = np.lexsort((classes, -(quota - take)))
+    take[order[: test_size - int(take.sum())]] += 1
+    rng = np.random.RandomState(0)
+    test = []
+    for cls, k in zip(classes, take, strict=True):
+        members = np.flatnonzero(labels == cls)
+        test.append(members[rng.permutation(len(members))[:k]])
+    test_idx = np.sort(np.concatenate(test))
+    train_idx = np.setdiff1d(np.arange(len(labels)), test_idx)
+    return train_idx, test_idx
+
+
+def _load_digits() -> Dataset:
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError as exc:  # pragma: no cover - scikit-learn is a dependency
+        raise DataError(
+            f"digits: scikit-learn is not importable ({exc}): install scikit-learn"
+        ) from None
+    bunch = load_digits()
+    x = (bunch.images.astype(np.float32) / 16.0)[:, None, :, :]
+    y = bunch.target.astype(np.int64)
+    train_idx, test_idx = digits_split(y)
+    return _finish("digits", x[train_idx], y[train_idx], x[test_idx], y[test_idx], 10)
+
+
+# --- MNIST-style IDX files ----------------------------------------------------------------------
+
+
+def read_idx(path: str | os.PathLike[str], dataset: str = "idx") -> np.ndarray:
+    """Read one IDX file (plain or gzip-compressed, by its .gz suffix) into a numpy array."""
+    path = Path(path)
+    try:
+        if path.suffix == ".gz":
+            with gzip.open(path, "rb") as fh:
+                raw = fh.read()
+        else:
+            raw = path.read_bytes()
+    except FileNotFoundError:
+        raise DataError(f"{dataset}: {path} not found: check --data-dir") from None
+    except (OSError, EOFError, zlib.error) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise DataError(f"{dataset}: cannot read {path} ({reason}); download it again") from None
+    if len(raw) < 4:
+        raise DataError(
+            f"{dataset}: {path} is corrupt (only {len(raw)} bytes, no IDX header); "
+            "download it again"
+        )
+    magic = int.from_bytes(raw[:4], "big")
+    dtype = _IDX_DTYPES.get(raw[2])
+    ndim = raw[3]
+    if raw[0] != 0 or raw[1] != 0 or dtype is None or ndim == 0:
+        raise DataError(
+            f"{dataset}: {path} is corrupt (bad magic number 0x{magic:08x}); download it again"
+        )
+    header = 4 + 4 * ndim
+    if len(raw) < header:
+        raise DataError(f"{dataset}: {path} is corrupt (truncated IDX header); download it again")
+    dims = tuple(int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim))
+    itemsize = np.dtype(dtype).itemsize
+    expected = header + int(np.prod(dims, dtype=np.int64)) * itemsize
+    if len(raw) != expected:
+        what = "truncated" if len(raw) < expected else "has trailing bytes"
+        raise DataError(
+            f"{dataset}: {path} is corrupt ({what}: {len(raw)} bytes, expected {expected} for "
+            f"shape {dims}); download it again"
+        )
+    return np.frombuffer(raw, dtype=dtype, offset=header).reshape(dims)
+
+
+def _find_idx(name: str, directory: Path, stem: str) -> Path:
+    for candidate in (directory / stem, directory / (stem + ".gz")):
+        if candidate.is_file():
+            return candidate
+    raise DataError(
+        f"{name}: {directory / stem}(.gz) not found: pass --data-dir with the four "
+        f"{_PRETTY[name]} IDX files"
+    )
+
+
+def _load_idx(name: str, data_dir: str | None) -> Dataset:
+    pretty = _PRETTY[name]
+    if data_dir is None:
+        raise DataError(
+            f"{name} needs --data-dir: pass --data-dir with the four {pretty} IDX files "
+            f"({', '.join(IDX_FILES.values())}, plain or .gz)"
+        )
+    directory = Path(data_dir)
+    if not directory.is_dir():
+        raise DataError(
+            f"{name}: --data-dir {directory} is not a directory: pass the directory holding the "
+            f"four {pretty} IDX files"
+        )
+    arrays = {}
+    for key, stem in IDX_FILES.items():
+        path = _find_idx(name, directory, stem)
+        arr = read_idx(path, name)
+        want = 3 if key.startswith("x") else 1
+        if arr.ndim != want:
+            raise DataError(
+                f"{name}: {path} has {arr.ndim} dimensions, expected {want} ({stem} should hold "
+                f"{'images' if want == 3 else 'labels'}); check the file names in --data-dir"
+            )
+        arrays[key] = (arr, path)
+    for split in ("train", "test"):
+        (x, xpath), (y, ypath) = arrays[f"x_{split}"], arrays[f"y_{split}"]
+        if len(x) != len(y):
+            raise DataError(
+                f"{name}: {xpath} has {len(x)} images but {ypath} has {len(y)} labels; "
+                "download both again"
+            )
+        if len(y) and (int(y.min()) < 0 or int(y.max()) > 9):
+            raise DataError(
+                f"{name}: {ypath} has labels outside 0..9 ({int(y.min())}..{int(y.max())}); "
+                "download it again"
+            )
+    if arrays["x_train"][0].shape[1:] != arrays["x_test"][0].shape[1:]:
+        raise DataError(
+            f"{name}: train images are {arrays['x_train'][0].shape[1:]} but test images are "
+            f"{arrays['x_test'][0].shape[1:]}; download the four files from one source"
+        )
+
+    def images(key: str) -> np.ndarray:
+        arr = arrays[key][0].astype(np.float32)
+        if arrays[key][0].dtype == np.uint8:
+            arr /= 255.0
+        return arr[:, None, :, :]
+
+    return _finish(
+        name,
+        images("x_train"),
+        arrays["y_train"][0].astype(np.int64),
+        images("x_test"),
+        arrays["y_test"][0].astype(np.int64),
+        10,
+    )
+
+
+# --- HDF5 ---------------------------------------------------------------------------------------
+
+
+def _find_hdf5(data_dir: str | None) -> Path:
+    hint = "a .h5 file with /train/x, /train/y, /test/x, /test/y"
+    if data_dir is None:
+        raise DataError(f"hdf5 needs --data-dir: pass --data-dir with {hint}")
+    path = Path(data_dir)
+    if path.is_file():
+        return path
+    if not path.is_dir():
+        raise DataError(f"hdf5: --data-dir {path} not found: pass {hint} or its directory")
+    if (path / "dataset.h5").is_file():
+        return path / "dataset.h5"
+    found = sorted(p for p in path.iterdir() if p.suffix in _HDF5_SUFFIXES and p.is_file())
+    if len(found) != 1:
+        what = "no .h5/.hdf5 file" if not found else f"{len(found)} .h5/.hdf5 files"
+        raise DataError(f"hdf5: {path} holds {what}: pass --data-dir with the path of {hint}")
+    return found[0]
+
+
+def _load_hdf5(data_dir: str | None) -> Dataset:
+    import h5py
+
+    path = _find_hdf5(data_dir)
+    try:
+        fh = h5py.File(path, "r")
+    except OSError as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else "unreadable"
+        raise DataError(
+            f"hdf5: cannot open {path} as HDF5 ({reason}): pass an HDF5 file with /train/x, "
+            "/train/y, /test/x, /test/y"
+        ) from None
+    with fh:
+        arrays = {}
+        for split in ("train", "test"):
+            for part in ("x", "y"):
+                key = f"/{split}/{part}"
+                obj = fh.get(key)
+                if not isinstance(obj, h5py.Dataset):
+                    raise DataError(
+                        f"hdf5: {path} has no dataset {key}: the file needs /train/x, /train/y, "
+                        "/test/x and /test/y"
+                    )
+                try:
+                    arrays[key] = obj[()]
+                except OSError as exc:
+                    reason = str(exc).splitlines()[0] if str(exc) else "read error"
+                    raise DataError(
+                        f"hdf5: cannot read {key} from {path} ({reason}); write the file again"
+                    ) from None
+        declared = fh.attrs.get("num_classes")
+    xs, ys = {}, {}
+    for split in ("train", "test"):
+        x, y = arrays[f"/{split}/x"], arrays[f"/{split}/y"]
+        xs[split] = _hdf5_images(path, split, x)
+        ys[split] = _hdf5_labels(path, split, y, len(x))
+    if xs["train"].shape[1:] != xs["test"].shape[1:]:
+        raise DataError(
+            f"hdf5: {path} has train samples of shape {xs['train'].shape[1:]} but test samples of "
+            f"shape {xs['test'].shape[1:]}: both splits need the same sample shape"
+        )
+    if len(ys["train"]) == 0 or len(ys["test"]) == 0:
+        raise DataError(f"hdf5: {path} has an empty /train or /test split: add samples to both")
+    top = int(max(ys["train"].max(), ys["test"].max())) + 1
+    num_classes = max(top, 2)
+    if declared is not None:
+        num_classes = int(np.asarray(declared).item())
+        if top > num_classes:
+            raise DataError(
+                f"hdf5: {path} declares num_classes={num_classes} but has label {top - 1}: fix "
+                "the num_classes attribute or the labels"
+            )
+    return _finish("hdf5", xs["train"], ys["train"], xs["test"], ys["test"], num_classes)
+
+
+def _hdf5_images(path: Path, split: str, x: np.ndarray) -> np.ndarray:
+    if x.ndim == 2:
+        x = x[:, None, None, :]
+    elif x.ndim == 3:
+        x = x[:, None, :, :]
+    elif x.ndim != 4:
+        raise DataError(
+            f"hdf5: {path} /{split}/x has shape {x.shape}: use (N, F), (N, H, W) or (N, C, H, W)"
+        )
+    if not (np.issubdtype(x.dtype, np.number) or x.dtype == np.bool_):
+        raise DataError(
+            f"hdf5: {path} /{split}/x has dtype {x.dtype}: store numbers (uint8 or float)"
+        )
+    out = x.astype(np.float32)
+    if x.dtype == np.uint8:
+        out /= 255.0
+    if not np.isfinite(out).all():
+        raise DataError(f"hdf5: {path} /{split}/x holds NaN or Inf: clean the data")
+    return out
+
+
+def _hdf5_labels(path: Path, split: str, y: np.ndarray, n: int) -> np.ndarray:
+    y = np.asarray(y)
+    if y.ndim == 2 and y.shape[1] == 1:
+        y = y[:, 0]
+    if y.ndim != 1 or len(y) != n:
+        raise DataError(
+            f"hdf5: {path} /{split}/y has shape {y.shape} but /{split}/x has {n} samples: store "
+            "one integer label per sample"
+        )
+    if np.issubdtype(y.dtype, np.floating):
+        if not (np.isfinite(y).all() and (y == np.round(y)).all()):
+            raise DataError(
+                f"hdf5: {path} /{split}/y holds non-integer labels: store class indices"
+            )
+    elif not np.issubdtype(y.dtype, np.integer):
+        raise DataError(f"hdf5: {path} /{split}/y has dtype {y.dtype}: store integer labels")
+    y = y.astype(np.int64)
+    if len(y) and y.min() < 0:
+        raise DataError(
+            f"hdf5: {path} /{split}/y has negative label {int(y.min())}: use labels 0..K-1"
+        )
+    return y
+
+
+# --- synthetic ----------------------------------------------------------------------------------
+
+
+def _make_synthetic(size: int, seed: int) -> Dataset:
+    """Ten Gaussian class clusters in 1x8x8 around smooth templates; learnable, not trivial."""
+    if size < 4:
+        raise ConfigError(
+            f"--synthetic-size {size} is too small: use at least 4 (the test split is a quarter)"
+        )
+    num_classes = 10
+    gen = torch.Generator().manual_seed(int(seed))
+    # Smooth class templates (4x4 noise upsampled to 8x8) give the CNN spatial structure to use.
+    coarse = torch.randn(num_classes, 1, 4, 4, generator=gen)
+    means = 0.7 * nn.functional.interpolate(coarse, size=(8, 8), mode="bilinear")
+
+    def sample(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        y = torch.randint(num_classes, (n,), generator=gen)
+        return means[y] + torch.randn(n, 1, 8, 8, generator=gen), y
+
+    x_train, y_train = sample(size)
+    x_test, y_test = sample(size // 4)
+    return _finish("synthetic", x_train, y_train, x_test, y_test, num_classes)
+
+
+# --- sharding and batches -----------------------------------------------------------------------
+
+
+def shard_indices(
+    num_samples: int,
+    num_shards: int,
+    shard: int,
+    *,
+    seed: int,
+    labels: torch.Tensor | None = None,
+    split_by_class: bool = False,
+    name: str | None = None,
+) -> torch.Tensor:
+    """Indices of shard `shard` of `num_shards` equal, disjoint shards (leftovers dropped).
+
+    IID: consecutive slices of a seeded permutation. split_by_class: the same kept samples,
+    stably sorted by label, cut into contiguous slices, so each shard sees few classes.
+    """
+    if num_shards < 1:
+        raise ConfigError(f"number of shards is {num_shards}: need at least 1 worker")
+    if not 0 <= shard < num_shards:
+        raise ConfigError(f"shard {shard} is outside 0..{num_shards - 1}")
+    per = num_samples // num_shards
+    if per == 0:
+        what = f"dataset {name}" if name else "the dataset"
+        raise DataError(
+            f"{what} has {num_samples} training samples, too few for {num_shards} workers: "
+            "use fewer workers or a larger dataset"
+        )
+    gen = torch.Generator().manual_seed(int(seed))
+    kept = torch.randperm(num_samples, generator=gen)[: per * num_shards]
+    if split_by_class:
+        if labels is None or labels.dim() != 1 or len(labels) != num_samples:
+            raise ConfigError(
+                "split_by_class needs one label per sample: pass labels=dataset.y_train"
+            )
+        kept = kept[torch.argsort(labels.cpu()[kept], stable=True)]
+    return kept[shard * per : (shard + 1) * per].clone()
+
+
+class ShardLoader:
+    """Batches over one shard, reshuffled each epoch from (seed, shard, epoch); resumable.
+
+    `epoch` is the epoch the next batch comes from and `position` the batches already served
+    in it (always < steps_per_epoch: the loader rolls over right after an epoch's last batch).
+    """
+
+    def __init__(
+        self,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        indices: torch.Tensor,
+        batch_size: int,
+        *,
+        seed: int,
+        shard: int,
+    ) -> None:
+        if len(x) != len(y):
+            raise DataError(f"{len(x)} samples but {len(y)} labels: pass matching x and y")
+        indices = torch.as_tensor(indices, dtype=torch.int64).cpu()
+        n = len(indices)
+        if n and (int(indices.min()) < 0 or int(indices.max()) >= len(x)):
+            raise DataError(f"shard indices fall outside the {len(x)} samples: rebuild the shard")
+        if batch_size <= 0:
+            raise DataError(f"--batch-size {batch_size} must be positive: use e.g. --batch-size 32")
+        if batch_size > n:
+            raise DataError(
+                f"--batch-size {batch_size} is larger than a worker's shard ({n} samples): "
+                f"use --batch-size {n} or less"
+            )
+        self.x, self.y = x, y
+        self.indices = indices
+        self.batch_size = int(batch_size)
+        self.seed, self.shard = int(seed), int(shard)
+        self.steps_per_epoch = n // self.batch_size
+        self.epoch = 0
+        self.position = 0
+        self._order: torch.Tensor | None = None
+        self._order_epoch = -1
+
+    def _epoch_order(self) -> torch.Tensor:
+        if self._order_epoch != self.epoch:
+            mixed = np.random.SeedSequence(
+                [self.seed % 2**64, self.shard % 2**64, self.epoch]
+            ).generate_state(2, dtype=np.uint32)
+            gen = torch.Generator().manual_seed(int(mixed[0]) << 31 | int(mixed[1]) >> 1)
+            perm = torch.randperm(len(self.indices), generator=gen)
+            self._order = self.indices[perm].to(self.x.device)
+            self._order_epoch = self.epoch
+        assert self._order is not None
+        return self._order
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return the next (x, y) batch and advance, rolling over into the next epoch."""
+        order = self._epoch_order()
+        start = self.position * self.batch_size
+        idx = order[start : start + self.batch_size]
+        self.position += 1
+        if self.position >= self.steps_per_epoch:
+            self.epoch += 1
+            self.position = 0
+        return self.x.index_select(0, idx), self.y.index_select(0, idx.to(self.y.device))
+
+    def state_dict(self) -> dict[str, int]:
+        """The loader's place: {"epoch", "position"}."""
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Resume at a place from state_dict(), so the same batches follow."""
+        try:
+            epoch, position = int(state["epoch"]), int(state["position"])
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(
+                f"loader state {state!r} lacks integer 'epoch' and 'position': use a checkpoint "
+                "written by geompi"
+            ) from None
+        if epoch < 0 or not 0 <= position < self.steps_per_epoch:
+            raise CheckpointError(
+                f"loader state epoch={epoch} position={position} does not fit "
+                f"{self.steps_per_epoch} steps per epoch: resume with the same --batch-size, "
+                "dataset and number of workers"
+            )
+        self.epoch, self.position = epoch, position
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 1024
+) -> tuple[float, float]:
+    """Return (accuracy, mean cross-entropy loss) of `model` on (x, y), in eval mode."""
+    if len(x) == 0 or len(x) != len(y):
+        raise DataError(f"cannot evaluate on {len(x)} samples and {len(y)} labels: check the data")
+    param = next(model.parameters(), None)
+    device = param.device if param is not None else x.device
+    was_training = model.training
+    model.eval()
+    correct, loss_sum = 0, 0.0
+    try:
+        for start in range(0, len(x), batch_size):
+            xb = x[start : start + batch_size].to(device)
+            yb = y[start : start + batch_size].to(device)
+            logits = model(xb)
+            loss_sum += float(nn.functional.cross_entropy(logits, yb, reduction="sum"))
+            correct += int((logits.argmax(dim=1) == yb).sum())
+    finally:
+        model.train(was_training)
+    return correct / len(x), loss_sum / len(x)

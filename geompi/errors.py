@@ -1,0 +1,39 @@
+"""User-facing error types: one subclass of GeompiError per kind of mistake.
+
+Every message is a single line that names the problem and the fix. The entry points turn these
+into one line on stderr from one rank and abort every rank together.
+"""
+
+from __future__ import annotations
+
+
+class GeompiError(Exception):
+    """Base class of every error geompi reports to a user (as opposed to a bug)."""
+
+
+class ConfigError(GeompiError):
+    """An invalid flag, environment variable or combination of settings."""
+
+
+class TopologyError(ConfigError):
+    """The world size and the topology settings do not fit together."""
+
+
+class DataError(GeompiError):
+    """A dataset is missing, unreadable or too small for the requested run."""
+
+
+class CheckpointError(GeompiError):
+    """A checkpoint cannot be written, or is corrupt, truncated or of another model."""
+
+
+class ProtocolError(GeompiError):
+    """Ranks disagree about a round (e.g. KVStore keys pushed in different orders)."""
+
+
+class CommTimeoutError(GeompiError):
+    """A server waited longer than --comm-timeout for a peer (a lost or stuck rank)."""
+
+
+class NonFiniteError(GeompiError):
+    """A NaN or Inf reached a local server while --on-nonfinite is abort."""

@@ -1,0 +1,281 @@
+"""The KVStore API that GeoMX users know, in PyTorch terms.
+
+    kv = geompi.kv.create("dist_sync")         # on server ranks this serves, then exits
+    if kv.is_master_worker:
+        kv.set_optimizer(geompi.optim.SGD(lr=0.1))
+    kv.init(key, tensor)                       # the master worker's value reaches every worker
+    kv.push(key, grad, priority=-idx)          # queued, nonblocking
+    kv.pull(key, out=param.data, priority=-idx)
+    kv.wait()                                  # or handle.wait()
+
+Pushes are queued and sent as one round, highest priority first, when a pull needs them or at
+``wait()``. ``out`` of a pull is written at the latest by the next ``wait()``. Every worker must
+push the same keys in the same order of rounds; a mismatch is a clear error, not a hang.
+
+``dist_sync``: a pull after a push returns the value after the global servers applied the
+optimizer once to the sum of every worker's push of that round (without an optimizer, the value
+becomes that sum). With ``MXNET_KVSTORE_USE_HFA=1`` (or ``GEOMPI_SYNC=hfa``) pushes are
+parameters pre-divided by ``num_workers``, as GeoMX users write them: the local server sums them
+into the datacenter average, and every K2-th time the global servers average the datacenters.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import sys
+from dataclasses import dataclass, field
+
+import torch
+
+from geompi.comm.topology import Role, Topology
+from geompi.comm.transport import LAN, Link, LinkStats, Requests
+from geompi.config import make_config
+from geompi.errors import ConfigError
+from geompi.ps.client import PSClient
+from geompi.ps.optim import Spec, spec_to_dict
+from geompi.ps.protocol import FLAG_SUM, MAX_KEYS, Op
+from geompi.runtime import abort, install_excepthook, start_job
+
+KV_TYPES = ("dist_sync", "dist_async", "dist_sync_hfa")
+
+
+@dataclass
+class _Key:
+    id: int
+    shape: torch.Size
+    dtype: torch.dtype
+    value: torch.Tensor  # fp32, flat: the latest value this worker received
+
+
+@dataclass
+class Handle:
+    """What push and pull return; ``wait()`` completes the round that carries it."""
+
+    kv: KVStore
+    seq: int
+
+    def wait(self) -> None:
+        self.kv._complete(self.seq)
+
+
+@dataclass
+class _Round:
+    seq: int
+    reqs: Requests | None = None
+    outs: list[tuple[torch.Tensor, _Key]] = field(default_factory=list)
+
+
+class KVStore:
+    """A worker's handle on the parameter servers. Create it with ``geompi.kv.create``."""
+
+    def __init__(self, kind: str, topo: Topology, comms, stats: LinkStats, hfa: bool) -> None:
+        rank = comms.world.Get_rank()
+        self.type = kind
+        self.topo = topo
+        self._comms = comms
+        self.stats = stats
+        self.rank = topo.worker_index(rank)
+        self.dc = topo.dc_of(rank)
+        self.num_dcs = topo.num_dcs
+        self.num_workers = len(topo.workers(self.dc))
+        self.num_all_workers = topo.num_workers
+        self.is_master_worker = rank == 0
+        self._hfa = hfa
+        self._client = PSClient(Link(comms.dc, LAN, stats))
+        self._keys: dict[object, _Key] = {}
+        self._spec: bytes | None = None
+        self._queue: list[tuple[int, int, _Key, torch.Tensor]] = []  # -prio, order, key, data
+        self._queued_pulls: list[tuple[torch.Tensor, _Key]] = []
+        self._seq = 0  # the round the next flush starts
+        self._inflight: _Round | None = None
+        self._closed = False
+        atexit.register(self.close)
+
+    # ---- configuration --------------------------------------------------------------------
+    def set_optimizer(self, optimizer: Spec) -> None:
+        """The global servers' optimizer (master worker only); it travels with the next round."""
+        if not self.is_master_worker:
+            raise ConfigError(
+                "set_optimizer is for the master worker: guard it with `if kv.is_master_worker:`"
+            )
+        self._spec = json.dumps({"optimizer": spec_to_dict(optimizer)}).encode()
+
+    def init(self, key, value: torch.Tensor | list) -> None:
+        """Register key(s); the master worker's value(s) become everyone's. Blocking."""
+        keys, values = (key, value) if isinstance(key, (list, tuple)) else ([key], [value])
+        new = []
+        for k, v in zip(keys, values, strict=True):
+            if k in self._keys:
+                raise ConfigError(f"key {k!r} is already initialized: init each key once")
+            entry = _Key(len(self._keys), v.shape, v.dtype, torch.zeros(v.numel()))
+            self._keys[k] = entry
+            data = (
+                v.detach().reshape(-1).to(torch.float32) if self.is_master_worker else entry.value
+            )
+            new.append((entry, data.clone()))
+        self.wait()
+        for i in range(0, len(new), MAX_KEYS):
+            part = new[i : i + MAX_KEYS]
+            self._run_round(Op.INIT, part, weight=0.0, flags=0)
+            self._complete(self._seq)
+
+    # ---- push / pull ----------------------------------------------------------------------
+    def push(self, key, value: torch.Tensor, priority: int = 0) -> Handle:
+        """Queue ``value`` for ``key``. Higher priority is sent first within a round."""
+        entry = self._entry(key)
+        if value.numel() != entry.value.numel():
+            raise ConfigError(
+                f"push of key {key!r} with {value.numel()} elements, but it was initialized with "
+                f"{entry.value.numel()}: push a tensor of shape {tuple(entry.shape)}"
+            )
+        if any(e is entry for _, _, e, _ in self._queue):
+            self._flush()  # a second push of the same key starts a new round
+        data = value.detach().reshape(-1).to(torch.float32, copy=True)
+        self._queue.append((-priority, len(self._queue), entry, data))
+        return Handle(self, self._seq)
+
+    def pull(self, key, out: torch.Tensor, priority: int = 0) -> Handle:
+        """Have ``out`` receive the key's value after the pushes queued so far."""
+        entry = self._entry(key)
+        if any(e is entry for _, _, e, _ in self._queue):
+            self._queued_pulls.append((out, entry))
+            self._flush()
+            return Handle(self, self._seq - 1)
+        if self._inflight is not None:
+            self._inflight.outs.append((out, entry))
+            return Handle(self, self._inflight.seq)
+        _copy_out(out, entry)
+        return Handle(self, self._seq - 1)
+
+    def wait(self) -> None:
+        """Send everything queued and complete every pending push and pull."""
+        if self._queue:
+            self._flush()
+        if self._inflight is not None:
+            self._complete(self._inflight.seq)
+
+    def close(self) -> None:
+        """Finish pending work and release the servers (every worker must close; atexit does).
+
+        With ``dist_async`` this waits for every datacenter; afterwards ``pull`` returns the
+        final global values.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.wait()
+            if self.type == "dist_async":
+                entries = sorted(self._keys.values(), key=lambda e: e.id)
+                reqs = self._client.start(Op.STOP, [(e.id, e.value.numel()) for e in entries])
+                for e in entries:
+                    self._client.pull(reqs, e.value)
+                reqs.wait()
+            else:
+                self._client.stop()
+        finally:
+            self._comms.free()
+
+    # ---- rounds ---------------------------------------------------------------------------
+    def _entry(self, key) -> _Key:
+        try:
+            return self._keys[key]
+        except KeyError:
+            raise ConfigError(f"key {key!r} was never initialized: call kv.init first") from None
+
+    def _flush(self) -> None:
+        queue = sorted(self._queue, key=lambda item: (item[0], item[1]))
+        self._queue = []
+        pulls, self._queued_pulls = self._queued_pulls, []
+        if self._hfa:
+            op, weight, flags = Op.AVG, 1.0 / self.num_workers, 0
+        else:
+            op, weight, flags = Op.GRAD, 1.0, FLAG_SUM
+        for i in range(0, len(queue), MAX_KEYS):
+            part = [(entry, data) for _, _, entry, data in queue[i : i + MAX_KEYS]]
+            self._run_round(op, part, weight, flags)
+        self._inflight.outs.extend(pulls)
+
+    def _run_round(self, op: Op, part, weight: float, flags: int) -> None:
+        if self._inflight is not None:
+            self._complete(self._inflight.seq)
+        spec, self._spec = self._spec, None
+        keys = [(e.id, e.value.numel()) for e, _ in part]
+        reqs = self._client.start(op, keys, weight=weight, spec=spec, flags=flags)
+        for _, data in part:
+            self._client.push(reqs, data)
+        for entry, _ in part:
+            self._client.pull(reqs, entry.value)
+        self._inflight = _Round(self._seq, reqs)
+        self._pending_data = part  # keep the send buffers alive until the round completes
+        self._seq += 1
+
+    def _complete(self, seq: int) -> None:
+        if self._queue and seq >= self._seq:
+            self._flush()
+        r = self._inflight
+        if r is None or r.seq > seq:
+            return
+        r.reqs.wait()
+        for out, entry in r.outs:
+            _copy_out(out, entry)
+        self._inflight = None
+        self._pending_data = None
+
+
+def _copy_out(out: torch.Tensor, entry: _Key) -> None:
+    with torch.no_grad():
+        out.copy_(entry.value.view(entry.shape).to(out.dtype))
+
+
+def create(
+    name: str = "dist_sync",
+    *,
+    dcs: int | None = None,
+    dc_sizes: tuple[int, ...] | None = None,
+    global_servers: int | None = None,
+    comm=None,
+) -> KVStore:
+    """Join the job's parameter-server tiers. Collective over ``comm`` (default COMM_WORLD).
+
+    On a worker this returns the KVStore. On a server rank it serves until every worker has
+    closed its store, then ends the process with status 0: code after ``create()`` runs on
+    workers only. The topology comes from the keywords or ``GEOMPI_DCS``, ``GEOMPI_DC_SIZES``
+    and ``GEOMPI_GLOBAL_SERVERS``.
+    """
+    install_excepthook()
+    cfg = None
+
+    def plan(c) -> Topology:
+        nonlocal cfg
+        if name not in KV_TYPES:
+            raise ConfigError(f"unknown KVStore type {name!r}: choose one of {', '.join(KV_TYPES)}")
+        cfg = make_config(dcs=dcs, dc_sizes=dc_sizes, global_servers=global_servers)
+        cfg.wan_settings()  # GEOMPI_WAN_* variables: checked before any collective call
+        if name == "dist_async" and cfg.sync == "hfa":
+            raise ConfigError("dist_async and HFA (MXNET_KVSTORE_USE_HFA=1) disagree: unset one")
+        return Topology.plan(c.Get_size(), cfg.dcs, cfg.dc_sizes, cfg.global_servers)
+
+    comm, topo, comms, stats = start_job(plan, comm)
+    hfa = name == "dist_sync_hfa" or (cfg.sync == "hfa" and name != "dist_async")
+    role = topo.role(comm.Get_rank())
+    if role is Role.WORKER:
+        return KVStore(name, topo, comms, stats, hfa)
+    from geompi.ps.servers import make_server
+
+    sync = "mixed" if name == "dist_async" else ("hfa" if hfa else "fsa")
+    try:
+        make_server(
+            sync,
+            topo,
+            comms,
+            stats,
+            k2=cfg.k2,
+            max_staleness=cfg.max_staleness,
+            wan=cfg.wan_settings(),
+        ).run()
+    except Exception as e:  # noqa: BLE001
+        abort(e)
+    comms.free()
+    sys.exit(0)

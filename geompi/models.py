@@ -1,0 +1,100 @@
+"""The models a run can train: a linear classifier, a small MLP and the GeoMX example CNN.
+
+Every model takes a batch of shape (N, C, H, W) and returns logits of shape (N, num_classes).
+Construction only draws from torch's global generator, so `torch.manual_seed` fixes the weights.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from geompi.errors import ConfigError
+
+MODELS = ("linear", "mlp", "cnn")
+
+# The CNN's convolutions use this kernel size; both its pools halve the spatial size.
+_KERNEL = 5
+# Inputs smaller than this in a spatial dimension are zero-padded up to it, so that two
+# 2x2 max pools still leave at least one pixel.
+_MIN_SIZE = 4
+
+
+def _check_shape(input_shape: tuple[int, int, int], num_classes: int) -> tuple[int, int, int]:
+    shape = tuple(int(d) for d in input_shape)
+    if len(shape) != 3 or min(shape) < 1:
+        raise ConfigError(
+            f"input shape {tuple(input_shape)} is not (channels, height, width) with every size "
+            ">= 1: check the dataset"
+        )
+    if int(num_classes) < 2:
+        raise ConfigError(f"num_classes is {num_classes}: a classifier needs at least 2 classes")
+    return shape  # type: ignore[return-value]
+
+
+class CNN(nn.Module):
+    """GeoMX's example CNN: conv16(5) pool conv32(5) pool fc256 fc128 fc(num_classes), ReLUs.
+
+    Images too small for the classic unpadded layout (e.g. 8x8 digits) get padding=2 on the
+    convolutions, and are zero-padded to at least 4x4, so no feature map shrinks below 1x1.
+    """
+
+    def __init__(self, input_shape: tuple[int, int, int], num_classes: int) -> None:
+        super().__init__()
+        channels, height, width = input_shape
+        self.input_shape = (channels, height, width)
+        # Pad the input up to the minimum size (left/top gets the smaller half).
+        pad_h, pad_w = max(0, _MIN_SIZE - height), max(0, _MIN_SIZE - width)
+        self.input_pad = (pad_w // 2, pad_w - pad_w // 2, pad_h // 2, pad_h - pad_h // 2)
+        height, width = height + pad_h, width + pad_w
+        self.conv_padding = 0 if min(_classic_size(height), _classic_size(width)) >= 1 else 2
+        self.features = nn.Sequential(
+            nn.Conv2d(channels, 16, _KERNEL, padding=self.conv_padding),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(16, 32, _KERNEL, padding=self.conv_padding),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+        )
+        with torch.no_grad():  # a dry run on zeros gives the flattened size; it draws no RNG
+            flat = self.features(torch.zeros(1, channels, height, width)).shape[1]
+        self.classifier = nn.Sequential(
+            nn.Linear(flat, 256),
+            nn.ReLU(),
+            nn.Linear(256, 128),
+            nn.ReLU(),
+            nn.Linear(128, num_classes),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Return the logits for a batch of shape (N, C, H, W)."""
+        if any(self.input_pad):
+            x = nn.functional.pad(x, self.input_pad)
+        return self.classifier(self.features(x))
+
+
+def _classic_size(size: int) -> int:
+    """Spatial size after the unpadded conv(5), pool(2), conv(5), pool(2) stack."""
+    size = (size - _KERNEL + 1) // 2
+    return (size - _KERNEL + 1) // 2 if size >= _KERNEL else 0
+
+
+def build_model(name: str, input_shape: tuple[int, int, int], num_classes: int) -> nn.Module:
+    """Build model `name` (one of MODELS) for inputs of shape (C, H, W) and num_classes logits."""
+    if name not in MODELS:
+        raise ConfigError(f"unknown --model {name!r}: choose one of {', '.join(MODELS)}")
+    channels, height, width = _check_shape(input_shape, num_classes)
+    features = channels * height * width
+    if name == "linear":
+        return nn.Sequential(nn.Flatten(), nn.Linear(features, num_classes))
+    if name == "mlp":
+        return nn.Sequential(
+            nn.Flatten(),
+            nn.Linear(features, 128),
+            nn.ReLU(),
+            nn.Linear(128, 64),
+            nn.ReLU(),
+            nn.Linear(64, num_classes),
+        )
+    return CNN((channels, height, width), num_classes)

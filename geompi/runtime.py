@@ -1,0 +1,176 @@
+"""Process-level MPI discipline: one error line from one rank, every rank stops together.
+
+- Errors that every rank detects identically (configuration) are printed by rank 0; every rank
+  then exits with status 2, before any collective call, so nothing can hang.
+- Errors that only some ranks see during start-up (a missing file) are agreed on with one
+  ``allgather`` that every rank reaches, and reported the same way.
+- Errors during training print one line on the rank that saw them, then ``Abort`` the job.
+- Any other exception prints its traceback and aborts, instead of leaving the other ranks
+  waiting forever.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import traceback
+
+from geompi.errors import GeompiError
+
+PREFIX = "geompi: error: "
+
+
+def say(msg: str) -> None:
+    """One line on stderr, flushed."""
+    sys.stderr.write(msg.rstrip("\n") + "\n")
+    sys.stderr.flush()
+
+
+def world():
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD
+
+
+def exit_together(err: GeompiError, rank: int) -> None:
+    """For an error every rank raised identically: rank 0 reports it, everyone exits 2."""
+    if rank == 0:
+        say(PREFIX + str(err))
+    raise SystemExit(2)
+
+
+def agree_or_exit(comm, err: BaseException | None) -> None:
+    """Collective: every rank reports whether its start-up succeeded; all exit 2 if any failed."""
+    msg = None if err is None else (str(err) if isinstance(err, GeompiError) else _brief(err))
+    msgs = comm.allgather(msg)
+    failed = [(r, m) for r, m in enumerate(msgs) if m]
+    if not failed:
+        return
+    if comm.Get_rank() == 0:
+        r, m = failed[0]
+        say(PREFIX + m + ("" if len(failed) == 1 else f" (and on {len(failed) - 1} more rank(s))"))
+    if err is not None and not isinstance(err, GeompiError):
+        traceback.print_exception(err)
+    raise SystemExit(2)
+
+
+def _brief(err: BaseException) -> str:
+    return f"{type(err).__name__}: {err}"
+
+
+def abort(err: BaseException, code: int = 1) -> None:
+    """A fault during training: one line from this rank, then abort every rank."""
+    if isinstance(err, GeompiError):
+        say(PREFIX + str(err))
+    else:
+        traceback.print_exception(err)
+        say(PREFIX + f"rank {_rank()} failed with {_brief(err)}; aborting every rank")
+    try:
+        world().Abort(code)
+    finally:
+        os._exit(code)
+
+
+def _rank() -> int:
+    try:
+        return world().Get_rank()
+    except Exception:  # noqa: BLE001
+        return -1
+
+
+def install_excepthook() -> None:
+    """An uncaught exception on one rank aborts the job instead of hanging the others."""
+
+    def hook(typ, value, tb):
+        if issubclass(typ, (KeyboardInterrupt, SystemExit)):
+            sys.__excepthook__(typ, value, tb)
+            return
+        abort(value)
+
+    sys.excepthook = hook
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+_signalled: list[str] = []
+
+
+def install_signal_handlers() -> None:
+    """On every rank, from the start: SIGTERM/SIGINT/SIGUSR1 only record that a stop was asked.
+
+    Workers act on it at the next step (checkpoint, then stop the servers); servers keep serving
+    until the workers say STOP, so no rank dies mid-round.
+    """
+
+    def handler(signum, frame) -> None:
+        _signalled.append(signal.Signals(signum).name)
+
+    for s in STOP_SIGNALS:
+        signal.signal(s, handler)
+
+
+def signalled() -> str:
+    """The name of the first stop signal received, or ''."""
+    return _signalled[0] if _signalled else ""
+
+
+def start_job(plan, comm=None):
+    """Plan the topology on every rank, print it once, build the communicators.
+
+    ``plan(comm)`` validates the settings and returns the Topology; a GeompiError from it is
+    reported by rank 0 alone and every rank exits 2, before any collective call. Returns
+    ``(comm, topology, communicators, link stats)``.
+    """
+    from geompi.comm.topology import build_communicators
+    from geompi.comm.transport import LinkStats
+
+    if comm is None:
+        comm = world()
+    rank = comm.Get_rank()
+    try:
+        topo = plan(comm)
+    except GeompiError as e:
+        exit_together(e, rank)
+    if rank == 0:
+        print(topo.table(), flush=True)
+    return comm, topo, build_communicators(topo, comm), LinkStats()
+
+
+class StopRequest:
+    """SIGTERM/SIGINT/SIGUSR1 set a flag; the training loop agrees on it collectively.
+
+    Each step the workers start a nonblocking MAX-allreduce of their flag and complete the
+    previous one, so every worker learns of a signal at the same step without an extra wait.
+    """
+
+    def __init__(self, comm) -> None:
+        import numpy as np
+
+        self.comm = comm
+        self._send = np.zeros(1, dtype=np.int32)
+        self._recv = np.zeros(1, dtype=np.int32)
+        self._req = None
+
+    @property
+    def signal_name(self) -> str:
+        return signalled()
+
+    def poll(self) -> bool:
+        """Collective over the workers: True once any worker has been signalled."""
+        from mpi4py import MPI
+
+        stop = False
+        if self._req is not None:
+            self._req.Wait()
+            stop = bool(self._recv[0])
+        if not stop:
+            self._send[0] = 1 if signalled() else 0
+            self._req = self.comm.Iallreduce(self._send, self._recv, MPI.MAX)
+        else:
+            self._req = None
+        return stop
+
+    def close(self) -> None:
+        if self._req is not None:
+            self._req.Wait()
+            self._req = None

@@ -1,0 +1,478 @@
+"""``python -m geompi.train``: the command-line entry point, and ``train()`` for the Python API.
+
+Run under MPI, e.g. ``mpirun -n 16 python -m geompi.train``. Rank 0 (the first worker of
+datacenter 0) prints the topology, progress lines and the final test accuracy, and writes the
+metrics file.
+"""
+
+from __future__ import annotations
+
+from geompi.runtime import install_signal_handlers
+
+if __name__ == "__main__":
+    install_signal_handlers()  # before the slow imports: a stop signal at start-up is not fatal
+
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Sequence
+
+import torch
+
+from geompi.comm.buckets import Buckets
+from geompi.comm.topology import Role, Topology, dc_sizes_from_hosts
+from geompi.comm.transport import LAN, Link, LinkStats
+from geompi.config import RunConfig, make_config
+from geompi.errors import ConfigError, GeompiError
+from geompi.metrics import MetricsLog
+from geompi.ps.client import PSClient
+from geompi.ps.optim import make_spec, spec_to_dict, torch_optimizer
+from geompi.ps.servers import make_server
+from geompi.runtime import (
+    StopRequest,
+    abort,
+    agree_or_exit,
+    exit_together,
+    install_excepthook,
+    install_signal_handlers,
+    say,
+    start_job,
+)
+
+
+def launcher_rank() -> int:
+    """This process's rank as the launcher tells it, before MPI starts (0 if not launched)."""
+    for var in ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 0
+
+
+def plan_topology(cfg: RunConfig, comm) -> Topology:
+    """The topology for this world. ``--dc-map nodes`` asks every rank for its host (collective)."""
+    sizes = cfg.dc_sizes
+    if cfg.dc_map == "nodes":
+        import socket
+
+        hosts = comm.allgather(socket.gethostname())
+        sizes = tuple(dc_sizes_from_hosts(hosts, cfg.global_servers or 1))
+        if cfg.dc_sizes is not None or cfg.dcs is not None:
+            raise ConfigError("--dc-map nodes derives the datacenters: drop --dcs/--dc-sizes")
+    return Topology.plan(comm.Get_size(), cfg.dcs, sizes, cfg.global_servers)
+
+
+class Worker:
+    """One training process: its data shard, its model replica and the chosen algorithm."""
+
+    def __init__(self, cfg: RunConfig, topo: Topology, comms, stats: LinkStats) -> None:
+        from geompi.data import ShardLoader, load_dataset, shard_indices
+        from geompi.models import build_model
+
+        self.cfg, self.topo, self.comms, self.stats = cfg, topo, comms, stats
+        self.rank = comms.world.Get_rank()
+        self.master = self.rank == 0
+        self.widx = topo.worker_index(self.rank)
+        self.dc = topo.dc_of(self.rank)
+        torch.manual_seed(cfg.seed)
+        ds = load_dataset(
+            cfg.dataset, cfg.data_dir, synthetic_size=cfg.synthetic_size, seed=cfg.seed
+        )
+        self.ds = ds
+        idx = shard_indices(
+            len(ds.y_train),
+            topo.num_workers,
+            self.widx,
+            seed=cfg.seed,
+            labels=ds.y_train,
+            split_by_class=cfg.split_by_class,
+            name=ds.name,
+        )
+        self.loader = ShardLoader(
+            ds.x_train, ds.y_train, idx, cfg.batch_size, seed=cfg.seed, shard=self.widx
+        )
+        torch.manual_seed(cfg.seed)
+        self.device = worker_device(comms.workers)
+        self.model = build_model(cfg.model, ds.input_shape, ds.num_classes).to(self.device)
+        self.total_steps = self._total_steps()
+        self.buckets = Buckets(list(self.model.named_parameters()), int(cfg.bucket_mb * 2**20))
+        # Watchdogs are staggered by tier (see geompi.ps.servers): workers wait 4x --comm-timeout.
+        timeout = cfg.comm_timeout and 4 * cfg.comm_timeout
+        self.client = PSClient(Link(comms.dc, LAN, stats), timeout)
+        self.local_opt = None
+        self.strategy = self._make_strategy()
+        self.step = 0
+        self.samples = 0
+        # Who agrees on stopping and checkpoints together: MixedSync's datacenters stay
+        # independent (datacenter 0 alone writes checkpoints); the other algorithms move as one.
+        self._nan_at = _fault_nan_at(self.rank)
+        mixed = cfg.sync == "mixed"
+        self.group = comms.workers if mixed else comms.all_workers
+        self.checkpoints = cfg.checkpoint_dir is not None and (not mixed or self.dc == 0)
+        self._prepare_checkpoints()
+
+    def _prepare_checkpoints(self) -> None:
+        """Check the checkpoint directory and read the checkpoint to resume, before training."""
+        from geompi.checkpointing import Checkpointing, check_writable, resolve_resume
+
+        cfg = self.cfg
+        self.ckpt = Checkpointing(self)
+        self.resume_path = None
+        if not self.master:
+            return
+        if cfg.checkpoint_dir:
+            check_writable(cfg.checkpoint_dir)
+        self.resume_path = resolve_resume(cfg.resume, cfg.checkpoint_dir)
+        if self.resume_path is not None:
+            self.ckpt.load(self.resume_path)
+
+    def _total_steps(self) -> int:
+        cfg = self.cfg
+        if cfg.steps is not None:
+            steps = cfg.steps
+        else:
+            steps = max(1, math.ceil((cfg.epochs or 30) * self.loader.steps_per_epoch))
+        if cfg.sync == "hfa":  # whole global rounds, so training ends on the global model
+            period = cfg.k1 * cfg.k2
+            steps = math.ceil(steps / period) * period
+        return steps
+
+    def _make_strategy(self):
+        cfg = self.cfg
+        lr = cfg.effective_lr
+        common = dict(master=self.master)
+        if cfg.sync in ("fsa", "mixed"):
+            from geompi.sync.fsa import FSA
+            from geompi.sync.mixed import MixedSync
+
+            spec = make_spec(
+                cfg.optimizer,
+                lr,
+                cfg.effective_momentum,
+                cfg.weight_decay,
+                cfg.nesterov,
+                cfg.dcasgd_lambda,
+                cfg.dcasgd_adaptive,
+            )
+            cls = FSA if cfg.sync == "fsa" else MixedSync
+            s = cls(
+                self.client, self.buckets, spec=_spec_bytes(optimizer=spec_to_dict(spec)), **common
+            )
+            s.attach()
+            return s
+        if cfg.sync == "hfa":
+            from geompi.sync.hfa import HFA
+
+            self.local_opt = _local_optimizer(cfg, self.model.parameters())
+            outer = {"name": cfg.outer_optimizer, "lr": cfg.outer_lr}
+            return HFA(
+                self.client,
+                self.buckets,
+                spec=_spec_bytes(outer=outer),
+                k1=cfg.k1,
+                k2=cfg.k2,
+                uniform=cfg.hfa_weighting == "uniform",
+                reset_optimizer=self.local_opt if cfg.hfa_reset_optimizer else None,
+                **common,
+            )
+        raise ConfigError(f"unknown --sync {cfg.sync!r}")
+
+    # ---- the loop -------------------------------------------------------------------------
+    def run(self, log: MetricsLog | None) -> dict:
+        from geompi.data import evaluate
+
+        cfg = self.cfg
+        self._resume()
+        self.stats.reset_time()  # the time split covers the training loop (as wall_s does)
+        stop = StopRequest(self.group)
+        loss_fn = torch.nn.CrossEntropyLoss()
+        t_start = time.perf_counter()
+        last_progress = t_start
+        compute_s = 0.0
+        stopping = preempted = False
+        saved_at = -1
+        # HFA stops (and checkpoints) only on a global sync, so a resume is exact.
+        period = cfg.k1 * cfg.k2 if cfg.sync == "hfa" else 1
+        while self.step < self.total_steps:
+            t0 = time.perf_counter()
+            self.client.step = self.step + 1
+            x, y = self.loader.next_batch()
+            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            n = len(y)
+            self.strategy.before_backward(n)
+            if self.local_opt is not None:
+                self.local_opt.zero_grad(set_to_none=True)
+            loss = loss_fn(self.model(x), y)
+            if self.step + 1 == self._nan_at:  # fault injection for tests (GEOMPI_FAULT_NAN_AT)
+                loss = loss * float("nan")
+            loss.backward()
+            dt = time.perf_counter() - t0
+            self.strategy.after_backward()
+            if self.local_opt is not None:
+                self.local_opt.step()
+                self.strategy.after_step(n)
+            compute_s += dt
+            self.step += 1
+            self.samples += n
+            if log is not None:
+                now = time.perf_counter()
+                log.write({"step": self.step, "loss": loss.item(), "wall_s": now - t_start})
+                if now - last_progress >= cfg.progress_every:
+                    last_progress = now
+                    rate = self.samples * self.topo.num_workers / (now - t_start)
+                    say(
+                        f"geompi: step {self.step}/{self.total_steps} epoch {self.loader.epoch} "
+                        f"loss {loss.item():.4f} {rate:.0f} samples/s"
+                    )
+                if cfg.eval_every and self.step % cfg.eval_every == 0:
+                    acc, tl = evaluate(self.model, self.ds.x_test, self.ds.y_test)
+                    log.write(
+                        {
+                            "step": self.step,
+                            "test_acc": acc,
+                            "test_loss": tl,
+                            "wall_s": now - t_start,
+                        }
+                    )
+            if self.checkpoints and cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
+                self._save(log)
+                saved_at = self.step
+            # Agreeing on a stop is a collective over every worker: HFA polls only at its
+            # global syncs, so that no cross-datacenter exchange happens between them.
+            if not stopping and self.step < self.total_steps and self.step % period == 0:
+                stopping = stop.poll()
+            if stopping and self.step % period == 0:
+                preempted = self.step < self.total_steps
+                break
+        train_s = time.perf_counter() - t_start  # before waiting for other datacenters
+        stop.close()
+        if self.checkpoints and saved_at != self.step:
+            self._save(log)
+        self.strategy.finish()
+        wall = time.perf_counter() - t_start
+        out = {
+            "steps": self.step,
+            "compute_s": compute_s,
+            "wall_s": wall,
+            "train_s": train_s,
+            "preempted": preempted,
+            "global_syncs": self.strategy.global_syncs,
+            "signal": stop.signal_name,
+        }
+        if self.master:
+            acc, tl = evaluate(self.model, self.ds.x_test, self.ds.y_test)
+            out.update(test_acc=acc, test_loss=tl)
+        return out
+
+    def _resume(self) -> None:
+        """Restore the checkpoint (if any) everywhere, then the INIT round starts the servers."""
+        info = self.ckpt.distribute() if self.cfg.resume else None
+        send = None
+        if self.master:
+            if info is not None:
+                from geompi.checkpointing import say_resumed
+
+                say_resumed(self.resume_path, info["step"], self.ckpt.restore_note)
+            elif self.cfg.resume:
+                say(f"geompi: no checkpoint in {self.cfg.checkpoint_dir} yet; starting fresh")
+            if self.ckpt.server_states() is not None:
+                spec = json.loads(self.strategy.spec)
+                self.strategy.spec = json.dumps({**spec, "restore": True}).encode()
+                send = self.ckpt.send_server_states
+        self.strategy.start(send_restore=send)
+
+    def _save(self, log: MetricsLog | None) -> None:
+        from geompi.data import evaluate
+
+        metrics = {}
+        if self.master:
+            acc, loss = evaluate(self.model, self.ds.x_test, self.ds.y_test)
+            metrics = {"test_acc": acc, "test_loss": loss}
+        path = self.ckpt.save(self.step, metrics)
+        if log is not None and path is not None:
+            log.write({"step": self.step, "checkpoint": str(path), **metrics})
+
+
+def _fault_nan_at(rank: int) -> int:
+    """``GEOMPI_FAULT_NAN_AT=STEP:RANK``: a test hook that makes that rank's loss NaN once."""
+    spec = os.environ.get("GEOMPI_FAULT_NAN_AT", "")
+    if not spec:
+        return -1
+    step, _, at_rank = spec.partition(":")
+    return int(step) if int(at_rank or 0) == rank else -1
+
+
+def worker_device(workers_comm) -> torch.device:
+    """The GPU of this worker (round-robin over the node's GPUs by local rank), else the CPU.
+
+    ``GEOMPI_DEVICE=cpu`` forces the CPU.
+    """
+    if os.environ.get("GEOMPI_DEVICE", "").lower() == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    from mpi4py import MPI
+
+    local = workers_comm.Split_type(MPI.COMM_TYPE_SHARED, key=workers_comm.Get_rank())
+    index = local.Get_rank() % torch.cuda.device_count()
+    local.Free()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def _spec_bytes(**parts) -> bytes:
+    return json.dumps(parts, sort_keys=True).encode()
+
+
+def _local_optimizer(cfg: RunConfig, params) -> torch.optim.Optimizer:
+    """HFA's per-worker optimizer, from the same spec a global server would use."""
+    spec = make_spec(
+        cfg.optimizer, cfg.effective_lr, cfg.effective_momentum, cfg.weight_decay, cfg.nesterov
+    )
+    return torch_optimizer(spec, params)
+
+
+def train(cfg: RunConfig, comm=None) -> dict | None:
+    """Run one job on ``comm`` (default MPI.COMM_WORLD). Collective: every rank must call it.
+
+    Returns the summary on rank 0, with the trained ``model`` state dict, and None elsewhere.
+    User errors are reported as one line and end the process (exit status 2 at start-up; an
+    abort of every rank during training).
+    """
+    install_signal_handlers()
+    comm, topo, comms, stats = start_job(lambda c: plan_topology(cfg.validate(), c), comm)
+    rank = comm.Get_rank()
+    role = topo.role(rank)
+    node = log = err = None
+    try:
+        if role is Role.WORKER:
+            node = Worker(cfg, topo, comms, stats)
+            if rank == 0:
+                log = MetricsLog(cfg.metrics)
+                log.write(
+                    {
+                        "event": "start",
+                        "config": json.loads(cfg.to_json()),
+                        "topology": topo.describe(),
+                        "total_steps": node.total_steps,
+                    }
+                )
+        else:
+            node = make_server(
+                cfg.sync,
+                topo,
+                comms,
+                stats,
+                k2=cfg.k2,
+                on_nonfinite=cfg.on_nonfinite,
+                timeout=cfg.comm_timeout,
+                max_staleness=cfg.max_staleness,
+                slowdown=cfg.dc_slowdown,
+                wan=cfg.wan_settings(),
+            )
+    except Exception as e:  # noqa: BLE001 - reported collectively below
+        err = e
+    agree_or_exit(comm, err)
+    try:
+        result = node.run(log) if role is Role.WORKER else node.run()
+    except Exception as e:  # noqa: BLE001
+        abort(e)
+    mine = {"role": role.name, **stats.as_dict()}
+    if role is Role.WORKER:
+        mine.update(compute_s=result["compute_s"], wall_s=result["wall_s"])
+    per_rank = comm.gather(mine, root=0)
+    reports = comm.gather(None if role is Role.WORKER else node.report(), root=0)
+    summary = None
+    if rank == 0:
+        servers = [r for r in reports if r is not None]
+        totals = {k: sum(r[k] for r in per_rank) for k in per_rank[0] if k.endswith("_bytes")}
+        totals.pop("wan_received_bytes")
+        # what reached the global servers: headers, trailers, pushes and MixedSync deposits
+        totals["global_in_bytes"] = sum(
+            r["wan_received_bytes"] for r in per_rank if r["role"] == Role.GLOBAL_SERVER.name
+        )
+        summary = {
+            "summary": True,
+            **result,
+            **totals,
+            **_server_summary(servers),
+            "time_split": time_split(per_rank),
+            "samples": node.samples * topo.num_workers,
+            "sync": cfg.sync,
+            "topology": topo.describe(),
+        }
+        log.write(summary)
+        log.close()
+        figures = (
+            f"test_acc={result['test_acc']:.4f} steps={result['steps']} "
+            f"wall_s={result['wall_s']:.1f} lan_bytes={totals['lan_bytes']} "
+            f"wan_bytes={totals['wan_bytes']} time: "
+            + " ".join(
+                f"{k[:-2]}={v:.1f}s" for k, v in summary["time_split"].items() if "held" not in k
+            )
+        )
+        if result["preempted"]:
+            where = f" to {cfg.checkpoint_dir}" if cfg.checkpoint_dir else " (no --checkpoint-dir)"
+            say(
+                f"geompi: preempted by {result['signal']} at step {result['steps']}; "
+                f"checkpoint written{where}; {figures}"
+            )
+        else:
+            say(f"geompi: done: {figures}")
+    comms.free()
+    if summary is not None:
+        summary["model"] = {k: v.detach().cpu().clone() for k, v in node.model.state_dict().items()}
+    return summary
+
+
+def _server_summary(reports: list[dict]) -> dict:
+    """Fold the servers' reports into the summary: skips, per-DC updates, staleness."""
+    out = {"skipped_nonfinite": sum(r.get("skipped_nonfinite", 0) for r in reports)}
+    gs0 = next((r for r in reports if r.get("global_server") == 0), {})
+    out["global_updates"] = gs0.get("updates", 0)
+    if "dc_updates" in gs0:
+        stale = [s for _, s, _ in gs0["staleness"]]
+        out.update(
+            dc_updates=gs0["dc_updates"],
+            staleness=gs0["staleness"],
+            max_staleness_seen=max(stale, default=0),
+            mean_staleness=sum(stale) / len(stale) if stale else 0.0,
+        )
+    return out
+
+
+def time_split(per_rank: list[dict]) -> dict[str, float]:
+    """Where a worker's time went, averaged over workers: compute (forward and backward),
+    WAN wait (what its local server waited on the global tier, emulated holds included),
+    LAN wait (the rest of its wait on the local server) and other (optimizer steps, data,
+    evaluation). The ``*_held_s`` figures are the emulated links' share of the waits."""
+
+    def mean(role: str, key: str) -> float:
+        vals = [r[key] for r in per_rank if r["role"] == role]
+        return sum(vals) / len(vals) if vals else 0.0
+
+    compute, wall = mean("WORKER", "compute_s"), mean("WORKER", "wall_s")
+    wan = mean("LOCAL_SERVER", "wan_wait_s")
+    lan = max(0.0, mean("WORKER", "lan_wait_s") - wan)
+    return {
+        "compute_s": compute,
+        "lan_wait_s": lan,
+        "wan_wait_s": wan,
+        "wan_held_s": mean("LOCAL_SERVER", "wan_held_s"),
+        "lan_held_s": mean("LOCAL_SERVER", "lan_held_s"),
+        "other_s": max(0.0, wall - compute - lan - wan),
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The CLI. ``--help`` works without mpirun; everything else runs under it."""
+    install_excepthook()
+    try:
+        cfg = make_config(sys.argv[1:] if argv is None else argv)
+    except GeompiError as e:  # identical on every rank, and before MPI starts
+        exit_together(e, launcher_rank())
+    train(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
