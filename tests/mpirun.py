@@ -1,0 +1,94 @@
+"""The one helper that starts ``mpirun`` from pytest: a subprocess with a timeout.
+
+A hang then fails its test (the whole process group is killed) instead of stalling the suite.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PROGS = Path(__file__).resolve().parent / "progs"
+BIN = Path(sys.executable).parent
+
+MPI_ENV = {
+    "OMPI_ALLOW_RUN_AS_ROOT": "1",
+    "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+    "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe",
+    "OMPI_MCA_osc": "rdma",
+    "OMPI_MCA_pml": "ob1",
+    "OMPI_MCA_btl": "self,sm,tcp",
+    "OMPI_MCA_mpi_yield_when_idle": "1",
+    "OMP_NUM_THREADS": "1",
+    "PYTHONUNBUFFERED": "1",
+}
+
+
+def mpirun_path() -> str:
+    local = BIN / "mpirun"
+    return str(local) if local.exists() else (shutil.which("mpirun") or "mpirun")
+
+
+class Hang(AssertionError):
+    pass
+
+
+def run(
+    cmd: list[str], timeout: float, env: dict | None = None, cwd=None
+) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, **MPI_ENV, "PYTHONPATH": str(REPO), **(env or {})}
+    p = subprocess.Popen(
+        cmd,
+        cwd=cwd or REPO,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        raise Hang(
+            f"{' '.join(cmd)} still running after {timeout} s (hang?)\n{out}\n{err}"
+        ) from None
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
+def mpirun(
+    n: int,
+    args: list[str],
+    timeout: float = 180,
+    env: dict | None = None,
+    cwd=None,
+    check: bool = True,
+) -> subprocess.CompletedProcess:
+    """``mpirun -n N python ARGS`` with this test's Python; raises on hang (and on failure)."""
+    cmd = [mpirun_path(), "-n", str(n), sys.executable, *args]
+    res = run(cmd, timeout, env, cwd)
+    if check and res.returncode != 0:
+        raise AssertionError(
+            f"{' '.join(cmd)} exited {res.returncode}\n--- stdout\n{res.stdout[-4000:]}"
+            f"\n--- stderr\n{res.stderr[-6000:]}"
+        )
+    return res
+
+
+def prog(name: str) -> str:
+    return str(PROGS / name)
+
+
+def read_jsonl(path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [ln for ln in stderr.splitlines() if ln.startswith("geompi: error:")]

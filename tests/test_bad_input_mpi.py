@@ -1,0 +1,119 @@
+"""The bad-input matrix: each case is one clear line from one rank, a non-zero exit, no hang."""
+
+import gzip
+import json
+
+import pytest
+
+from tests.mpirun import error_lines, mpirun, run
+
+pytestmark = pytest.mark.mpi
+TRAIN = ["-m", "geompi.train", "--steps", "3", "--progress-every", "1e9"]
+
+CASES = {
+    # name: (ranks, extra args, env, words the one error line must contain)
+    "world-too-small": (2, [], {}, ["too few", "mpirun -n 3"]),
+    "dc-without-worker": (5, ["--dc-sizes", "3,1"], {}, ["datacenter 1", "no worker"]),
+    "dc-sizes-dont-add-up": (4, ["--dc-sizes", "2,2"], {}, ["adds up to 4", "add up to 3"]),
+    "too-many-dcs": (4, ["--dcs", "3"], {}, ["3 datacenters need", "fewer --dcs"]),
+    "zero-global-servers": (4, ["--global-servers", "0"], {}, ["global server"]),
+    "k1-zero": (4, ["--sync", "hfa", "--k1", "0"], {}, ["--k1 0", "whole number >= 1"]),
+    "k2-negative": (4, ["--sync", "hfa", "--k2", "-2"], {}, ["--k2 -2"]),
+    "k1-not-integer": (4, ["--sync", "hfa", "--k1", "1.5"], {}, ["--k1", "1.5"]),
+    "k1-env-zero": (4, ["--sync", "hfa"], {"GEOMPI_HFA_K1": "0"}, ["GEOMPI_HFA_K1"]),
+    "unknown-sync": (4, ["--sync", "bsp"], {}, ["unknown --sync 'bsp'", "fsa"]),
+    "unknown-optimizer": (4, ["--optimizer", "lamb"], {}, ["unknown --optimizer 'lamb'"]),
+    "unknown-model": (4, ["--model", "resnet9000"], {}, ["unknown --model", "cnn"]),
+    "unknown-dataset": (4, ["--dataset", "imagenet"], {}, ["unknown --dataset", "digits"]),
+    "unknown-flag": (4, ["--frobnicate"], {}, ["unrecognized arguments", "--help"]),
+    "geomx-env-conflict": (
+        4,
+        ["--sync", "hfa"],
+        {"GEOMPI_HFA_K1": "2", "MXNET_KVSTORE_HFA_K1": "3"},
+        ["GEOMPI_HFA_K1=2", "MXNET_KVSTORE_HFA_K1=3", "disagree"],
+    ),
+    "batch-size-zero": (4, ["--batch-size", "0"], {}, ["--batch-size 0"]),
+    "batch-larger-than-shard": (4, ["--batch-size", "5000"], {}, ["larger than", "--batch-size"]),
+    "nan-lr": (4, ["--lr", "nan"], {}, ["--lr nan", "finite"]),
+    "steps-and-epochs": (4, ["--epochs", "2"], {}, ["--steps and --epochs"]),
+    "bad-dc-slowdown": (4, ["--dc-slowdown", "1x3"], {}, ["--dc-slowdown", "DC:FACTOR"]),
+    "mixed-sync-conflict": (4, ["--mixed-sync", "--sync", "hfa"], {}, ["--mixed-sync", "hfa"]),
+    "wan-bandwidth-without-unit": (4, ["--wan-bandwidth", "100"], {}, ["--wan-bandwidth", "Mbit"]),
+    "wan-compression-env": (
+        4,
+        [],
+        {"GEOMPI_WAN_COMPRESSION": "topk:0"},
+        ["GEOMPI_WAN_COMPRESSION 'topk:0'", "topk:0.01"],
+    ),
+    "checkpoint-every-no-dir": (4, ["--checkpoint-every", "5"], {}, ["--checkpoint-dir"]),
+    "missing-mnist": (
+        4,
+        ["--dataset", "mnist", "--data-dir", "/nonexistent/mnist"],
+        {},
+        ["not a directory", "--data-dir"],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_bad_input(name, tmp_path):
+    ranks, extra, env, words = CASES[name]
+    res = mpirun(ranks, TRAIN + extra, timeout=30, env=env, check=False)
+    _assert_one_clear_error(res, words)
+
+
+def test_corrupt_dataset_files(tmp_path):
+    names = [
+        "train-images-idx3-ubyte",
+        "train-labels-idx1-ubyte",
+        "t10k-images-idx3-ubyte",
+        "t10k-labels-idx1-ubyte",
+    ]
+    for n in names:
+        with gzip.open(tmp_path / f"{n}.gz", "wb") as f:
+            f.write(b"\x00\x00\x08\x03garbage, not an IDX file")
+    res = mpirun(
+        4, TRAIN + ["--dataset", "mnist", "--data-dir", str(tmp_path)], timeout=30, check=False
+    )
+    _assert_one_clear_error(res, ["corrupt"])
+
+
+def test_without_mpirun_is_a_clear_error_and_help_works():
+    import sys
+
+    res = run([sys.executable, *TRAIN], timeout=30)
+    _assert_one_clear_error(res, ["mpirun -n 3"])
+    res = run([sys.executable, "-m", "geompi.train", "--help"], timeout=30)
+    assert res.returncode == 0 and "--sync" in res.stdout and "--k1" in res.stdout
+
+
+def _assert_one_clear_error(res, words):
+    errs = error_lines(res.stderr)
+    assert res.returncode != 0
+    assert len(errs) == 1, res.stderr
+    assert "Traceback" not in res.stderr, res.stderr
+    for w in words:
+        assert w in errs[0], (w, errs[0])
+
+
+def test_nonfinite_gradient_aborts_naming_step_and_ranks():
+    res = mpirun(
+        9, TRAIN + ["--steps", "10"], timeout=60, check=False, env={"GEOMPI_FAULT_NAN_AT": "4:3"}
+    )  # rank 3 is a worker of datacenter 1
+    _assert_one_clear_error(
+        res,
+        ["non-finite gradient", "datacenter 1", "ranks 3-4", "at step 4", "--on-nonfinite skip"],
+    )
+
+
+def test_nonfinite_gradient_skip_keeps_training(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    mpirun(
+        9,
+        TRAIN + ["--steps", "10", "--on-nonfinite", "skip", "--metrics", str(metrics)],
+        timeout=60,
+        env={"GEOMPI_FAULT_NAN_AT": "4:3"},
+    )
+    summary = [json.loads(x) for x in metrics.read_text().splitlines()][-1]
+    assert summary["skipped_nonfinite"] == 1 and summary["steps"] == 10
+    assert summary["test_acc"] > 0.1  # the model stayed finite

@@ -1,0 +1,360 @@
+"""Single-process tests of geompi.config: flags, environment, GeoMX aliases and validate()."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from geompi.config import RunConfig, from_env, make_config
+from geompi.errors import ConfigError
+
+
+def one_line(exc: pytest.ExceptionInfo[BaseException]) -> str:
+    message = str(exc.value)
+    assert message and "\n" not in message
+    return message
+
+
+def cfg(*argv: str, env: dict[str, str] | None = None, **kwargs) -> RunConfig:
+    """make_config isolated from the real environment."""
+    return make_config(list(argv), env={} if env is None else env, **kwargs)
+
+
+# --- defaults and flags -------------------------------------------------------------------------
+def test_defaults_without_flags_or_environment() -> None:
+    c = cfg().validate()
+    assert c == RunConfig()
+    assert (c.sync, c.optimizer, c.k1, c.k2, c.batch_size) == ("fsa", "sgd", 1, 1, 16)
+    assert (c.dcs, c.dc_sizes, c.global_servers) == (None, None, None)
+    assert c.effective_lr == 0.05
+    assert c.sources == {}
+
+
+def test_make_config_from_argv() -> None:
+    c = cfg(
+        "--sync", "hfa", "--k1", "4", "--k2", "3", "--dcs", "3", "--dc-sizes", "6,5,4",
+        "--global-servers", "2", "--model", "mlp", "--dataset", "synthetic", "--batch-size", "8",
+        "--lr", "0.25", "--optimizer", "adam", "--nesterov", "--steps", "7", "--seed", "0",
+        "--dc-slowdown", "1:3,2:1.5", "--checkpoint-dir", "/tmp/ck", "--checkpoint-every", "24",
+    )  # fmt: skip
+    c.validate()
+    assert c.sync == "hfa"
+    assert (c.k1, c.k2) == (4, 3)
+    assert c.dcs == 3 and c.dc_sizes == (6, 5, 4) and c.global_servers == 2
+    assert (c.model, c.dataset, c.batch_size) == ("mlp", "synthetic", 8)
+    assert c.lr == 0.25 and c.effective_lr == 0.25 and c.optimizer == "adam"
+    assert c.nesterov is True and c.steps == 7 and c.seed == 0
+    assert c.dc_slowdown == {1: 3.0, 2: 1.5}
+    assert c.checkpoint_dir == "/tmp/ck" and c.checkpoint_every == 24
+    assert c.sources["k1"] == "--k1" and c.sources["dc_sizes"] == "--dc-sizes"
+    assert json.loads(c.to_json())["dc_slowdown"] == {"1": 3.0, "2": 1.5}
+
+
+def test_dc_sizes_flag_tolerates_spaces() -> None:
+    assert cfg("--dc-sizes", "5, 5,5").dc_sizes == (5, 5, 5)
+
+
+def test_effective_lr_defaults_by_optimizer() -> None:
+    assert cfg("--optimizer", "adam").effective_lr == 1e-3
+    assert cfg("--optimizer", "adamw").effective_lr == 1e-3
+    assert cfg("--optimizer", "dcasgd").effective_lr == 0.1
+
+
+def test_keyword_arguments_override_flags() -> None:
+    c = cfg("--k1", "4", k1=9, dc_sizes=[3, 3])
+    assert c.k1 == 9 and c.sources["k1"] == "k1"
+    assert c.dc_sizes == (3, 3)
+
+
+def test_unknown_keyword_is_a_config_error() -> None:
+    with pytest.raises(ConfigError) as exc:
+        cfg(no_such_setting=1)
+    assert "no_such_setting" in one_line(exc)
+
+
+# --- environment --------------------------------------------------------------------------------
+def test_geompi_environment_variables() -> None:
+    env = {
+        "GEOMPI_DCS": "2",
+        "GEOMPI_DC_SIZES": "8,7",
+        "GEOMPI_GLOBAL_SERVERS": "1",
+        "GEOMPI_HFA_K1": "4",
+        "GEOMPI_HFA_K2": "3",
+        "GEOMPI_SYNC": "hfa",
+    }
+    c = cfg(env=env).validate()
+    assert c.dcs == 2 and c.dc_sizes == (8, 7) and c.global_servers == 1
+    assert (c.k1, c.k2, c.sync) == (4, 3, "hfa")
+    assert c.sources == {
+        "dcs": "GEOMPI_DCS",
+        "dc_sizes": "GEOMPI_DC_SIZES",
+        "global_servers": "GEOMPI_GLOBAL_SERVERS",
+        "k1": "GEOMPI_HFA_K1",
+        "k2": "GEOMPI_HFA_K2",
+        "sync": "GEOMPI_SYNC",
+    }
+
+
+def test_blank_environment_variables_are_ignored() -> None:
+    assert cfg(env={"GEOMPI_HFA_K1": "  ", "GEOMPI_DCS": ""}).k1 == 1
+
+
+def test_env_none_reads_os_environ(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GEOMPI_HFA_K2", "6")
+    monkeypatch.delenv("GEOMPI_HFA_K1", raising=False)
+    monkeypatch.delenv("MXNET_KVSTORE_HFA_K2", raising=False)
+    assert make_config([]).k2 == 6
+
+
+@pytest.mark.parametrize("var", ["GEOMPI_DCS", "GEOMPI_HFA_K1", "MXNET_KVSTORE_HFA_K2"])
+def test_non_integer_environment_variable(var: str) -> None:
+    with pytest.raises(ConfigError) as exc:
+        cfg(env={var: "2.5"})
+    assert var in one_line(exc) and "whole number" in str(exc.value)
+
+
+def test_dc_sizes_environment_variable_not_numbers() -> None:
+    with pytest.raises(ConfigError) as exc:
+        cfg(env={"GEOMPI_DC_SIZES": "5,five"})
+    assert "GEOMPI_DC_SIZES" in one_line(exc)
+
+
+def test_environment_value_checked_by_validate_names_the_variable() -> None:
+    c = cfg(env={"GEOMPI_HFA_K1": "0"})
+    with pytest.raises(ConfigError) as exc:
+        c.validate()
+    assert "GEOMPI_HFA_K1" in one_line(exc)
+
+
+# --- GeoMX aliases ------------------------------------------------------------------------------
+def test_mxnet_use_hfa_selects_hfa() -> None:
+    c = cfg(env={"MXNET_KVSTORE_USE_HFA": "1"})
+    assert c.sync == "hfa" and c.sources["sync"] == "MXNET_KVSTORE_USE_HFA"
+    assert cfg(env={"MXNET_KVSTORE_USE_HFA": "0"}).sync == "fsa"
+
+
+def test_mxnet_use_hfa_agreeing_with_geompi_sync() -> None:
+    assert cfg(env={"MXNET_KVSTORE_USE_HFA": "1", "GEOMPI_SYNC": "hfa"}).sync == "hfa"
+
+
+def test_mxnet_use_hfa_disagreeing_with_geompi_sync() -> None:
+    with pytest.raises(ConfigError) as exc:
+        cfg(env={"MXNET_KVSTORE_USE_HFA": "1", "GEOMPI_SYNC": "fsa"})
+    message = one_line(exc)
+    assert "GEOMPI_SYNC" in message and "MXNET_KVSTORE_USE_HFA" in message
+
+
+def test_mxnet_use_hfa_bad_value() -> None:
+    with pytest.raises(ConfigError) as exc:
+        cfg(env={"MXNET_KVSTORE_USE_HFA": "yes"})
+    assert "MXNET_KVSTORE_USE_HFA" in one_line(exc)
+
+
+def test_mxnet_k1_alone() -> None:
+    c = cfg(env={"MXNET_KVSTORE_HFA_K1": "5"})
+    assert c.k1 == 5 and c.k2 == 1
+    assert c.sources == {"k1": "MXNET_KVSTORE_HFA_K1"}
+    c = cfg(env={"MXNET_KVSTORE_HFA_K2": "7"})
+    assert c.k2 == 7 and c.k1 == 1
+
+
+def test_mxnet_and_geompi_spelling_equal_is_fine() -> None:
+    env = {"GEOMPI_HFA_K1": "4", "MXNET_KVSTORE_HFA_K1": "4"}
+    env |= {"GEOMPI_HFA_K2": "2", "MXNET_KVSTORE_HFA_K2": "2"}
+    c = cfg(env=env)
+    assert (c.k1, c.k2) == (4, 2)
+    assert c.sources["k1"] == "GEOMPI_HFA_K1"
+
+
+@pytest.mark.parametrize("k", ["1", "2"])
+def test_mxnet_and_geompi_spelling_disagree(k: str) -> None:
+    with pytest.raises(ConfigError) as exc:
+        cfg(env={f"GEOMPI_HFA_K{k}": "4", f"MXNET_KVSTORE_HFA_K{k}": "5"})
+    message = one_line(exc)
+    assert f"GEOMPI_HFA_K{k}=4" in message and f"MXNET_KVSTORE_HFA_K{k}=5" in message
+
+
+def test_geompi_variables_together_with_geomx_aliases() -> None:
+    env = {"MXNET_KVSTORE_USE_HFA": "1", "MXNET_KVSTORE_HFA_K1": "3", "GEOMPI_HFA_K2": "2"}
+    c = cfg(env=env).validate()
+    assert (c.sync, c.k1, c.k2) == ("hfa", 3, 2)
+
+
+def test_from_env_returns_sources() -> None:
+    assert from_env({}) == {"sources": {}}
+    assert from_env({"MXNET_KVSTORE_HFA_K2": "3"}) == {
+        "k2": 3,
+        "sources": {"k2": "MXNET_KVSTORE_HFA_K2"},
+    }
+
+
+# --- a flag overrides the environment -----------------------------------------------------------
+def test_flag_overrides_environment() -> None:
+    env = {"GEOMPI_HFA_K1": "3", "GEOMPI_DC_SIZES": "5,5,5", "GEOMPI_SYNC": "hfa"}
+    c = cfg("--k1", "7", "--dc-sizes", "8,7", "--sync", "fsa", env=env)
+    assert (c.k1, c.dc_sizes, c.sync) == (7, (8, 7), "fsa")
+    assert c.sources["k1"] == "--k1" and c.sources["sync"] == "--sync"
+
+
+def test_flag_overrides_geomx_alias() -> None:
+    env = {"MXNET_KVSTORE_USE_HFA": "1", "MXNET_KVSTORE_HFA_K1": "3"}
+    c = cfg("--mixed-sync", "--k1", "2", env=env)
+    assert (c.sync, c.k1) == ("mixed", 2)
+    # without the flags the environment wins over the defaults
+    assert (cfg(env=env).sync, cfg(env=env).k1) == ("hfa", 3)
+
+
+# --- --mixed-sync and --dcasgd ------------------------------------------------------------------
+def test_mixed_sync_alias() -> None:
+    c = cfg("--mixed-sync").validate()
+    assert c.sync == "mixed" and c.optimizer == "sgd"
+    assert cfg("--mixed-sync", "--sync", "mixed").sync == "mixed"
+
+
+def test_dcasgd_alias() -> None:
+    c = cfg("--dcasgd").validate()
+    assert c.optimizer == "dcasgd" and c.sync == "fsa"
+
+
+def test_mixed_sync_and_dcasgd_together() -> None:
+    c = cfg("--mixed-sync", "--dcasgd").validate()
+    assert c.sync == "mixed"
+    assert c.optimizer == "dcasgd"
+    assert c.optimizer != "adam"
+    assert c.effective_lr == 0.1
+
+
+def test_mixed_sync_conflicts_with_another_sync() -> None:
+    with pytest.raises(ConfigError) as exc:
+        cfg("--mixed-sync", "--sync", "hfa")
+    assert "--mixed-sync" in one_line(exc) and "--sync hfa" in str(exc.value)
+
+
+def test_dcasgd_conflicts_with_another_optimizer() -> None:
+    with pytest.raises(ConfigError) as exc:
+        cfg("--dcasgd", "--optimizer", "adam")
+    assert "--dcasgd" in one_line(exc) and "--optimizer adam" in str(exc.value)
+
+
+def test_dcasgd_with_hfa_is_rejected() -> None:
+    with pytest.raises(ConfigError) as exc:
+        cfg("--dcasgd", env={"MXNET_KVSTORE_USE_HFA": "1"}).validate()
+    assert "--sync mixed" in one_line(exc)
+
+
+# --- validate() ---------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--sync", "async"], "--sync 'async'"),
+        (["--model", "resnet50"], "--model 'resnet50'"),
+        (["--dataset", "cifar10"], "--dataset 'cifar10'"),
+        (["--optimizer", "rmsprop"], "--optimizer 'rmsprop'"),
+        (["--k1", "0"], "--k1 0"),
+        (["--k1=-3"], "--k1 -3"),
+        (["--k2", "0"], "--k2 0"),
+        (["--k2=-1"], "--k2 -1"),
+        (["--batch-size", "0"], "--batch-size 0"),
+        (["--batch-size=-16"], "--batch-size -16"),
+        (["--lr", "nan"], "--lr nan"),
+        (["--lr", "inf"], "--lr inf"),
+        (["--lr", "0"], "--lr 0"),
+        (["--lr=-0.1"], "--lr -0.1"),
+        (["--outer-lr", "nan"], "--outer-lr"),
+        (["--momentum=-0.5"], "--momentum"),
+        (["--weight-decay", "nan"], "--weight-decay"),
+        (["--dcasgd-lambda=-1"], "--dcasgd-lambda"),
+        (["--steps", "10", "--epochs", "1"], "--steps and --epochs"),
+        (["--steps", "0"], "--steps 0"),
+        (["--epochs", "0"], "--epochs 0"),
+        (["--epochs", "nan"], "--epochs nan"),
+        (["--checkpoint-every", "5"], "--checkpoint-every needs --checkpoint-dir"),
+        (["--resume", "latest"], "--resume latest needs --checkpoint-dir"),
+        (["--checkpoint-every=-1", "--checkpoint-dir", "d"], "--checkpoint-every -1"),
+        (["--keep", "0"], "--keep 0"),
+        (["--dc-slowdown", "1:0.5"], "--dc-slowdown 1:0.5"),
+        (["--dc-slowdown", "1:nan"], "--dc-slowdown 1:nan"),
+        (["--hfa-weighting", "size"], "--hfa-weighting"),
+        (["--outer-optimizer", "adam"], "--outer-optimizer"),
+        (["--on-nonfinite", "ignore"], "--on-nonfinite"),
+        (["--dc-map", "racks"], "--dc-map"),
+        (["--max-staleness", "0"], "--max-staleness 0"),
+        (["--bucket-mb", "0"], "--bucket-mb 0"),
+        (["--comm-timeout", "0"], "--comm-timeout 0"),
+        (["--sync", "hfa", "--optimizer", "dcasgd"], "--optimizer dcasgd"),
+    ],
+)
+def test_validate_errors(argv: list[str], needle: str) -> None:
+    c = cfg(*argv)
+    with pytest.raises(ConfigError) as exc:
+        c.validate()
+    assert needle in one_line(exc)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--k1", "1", "--k2", "1"],
+        ["--lr", "1e-4"],
+        ["--steps", "1"],
+        ["--epochs", "0.5"],
+        ["--checkpoint-every", "5", "--checkpoint-dir", "d"],
+        ["--dc-slowdown", "1:1"],
+        ["--sync", "hfa", "--optimizer", "adamw", "--outer-optimizer", "nesterov"],
+        ["--momentum", "0", "--dcasgd-lambda", "0"],
+    ],
+)
+def test_validate_accepts_edge_values(argv: list[str]) -> None:
+    assert isinstance(cfg(*argv).validate(), RunConfig)
+
+
+@pytest.mark.parametrize("k1", [1.5, "2", True, 0])
+def test_validate_rejects_non_integer_k1_keyword(k1) -> None:
+    with pytest.raises(ConfigError) as exc:
+        cfg(k1=k1).validate()
+    assert "whole number" in one_line(exc)
+
+
+@pytest.mark.parametrize("value", ["5,x,5", "five", "5;5;5", "5.5,5"])
+def test_dc_sizes_not_numbers(value: str) -> None:
+    with pytest.raises(ConfigError) as exc:
+        cfg("--dc-sizes", value)
+    message = one_line(exc)
+    assert "--dc-sizes" in message and repr(value) in message
+
+
+@pytest.mark.parametrize("value", ["1", "a:2", "1:fast", "1:2:3", "1-3", "1:3;2:2"])
+def test_bad_dc_slowdown_syntax(value: str) -> None:
+    with pytest.raises(ConfigError) as exc:
+        cfg("--dc-slowdown", value)
+    message = one_line(exc)
+    assert "--dc-slowdown" in message and "DC:FACTOR" in message
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["--k1", "1.5"], "--k1"),
+        (["--k2", "two"], "--k2"),
+        (["--batch-size", "2.5"], "--batch-size"),
+        (["--lr", "fast"], "--lr"),
+    ],
+)
+def test_non_integer_flag_is_a_config_error(argv: list[str], flag: str) -> None:
+    with pytest.raises(ConfigError) as exc:
+        try:
+            cfg(*argv)
+        except SystemExit as e:  # argparse's default: a plain failure here, not an exit
+            raise AssertionError(f"make_config called sys.exit({e.code})") from e
+    message = one_line(exc)
+    assert flag in message and "--help" in message
+
+
+def test_unknown_flag_is_a_config_error() -> None:
+    with pytest.raises(ConfigError) as exc:
+        try:
+            cfg("--k3", "2")
+        except SystemExit as e:
+            raise AssertionError(f"make_config called sys.exit({e.code})") from e
+    assert "--k3" in one_line(exc)

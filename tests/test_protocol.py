@@ -1,0 +1,143 @@
+"""Single-process tests of geompi.ps.protocol: round headers and their agreement check."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from geompi.errors import ProtocolError
+from geompi.ps.protocol import (
+    FLAG_GLOBAL,
+    FLAG_SUM,
+    MAX_KEYS,
+    TAG_DATA,
+    TAG_RESULT,
+    Op,
+    Round,
+    agree,
+    header_len,
+)
+
+
+def stack(*rounds: Round) -> torch.Tensor:
+    return torch.stack([r.encode() for r in rounds])
+
+
+# --- encode / decode ----------------------------------------------------------------------------
+def test_header_layout() -> None:
+    assert header_len() == 7 + 2 * MAX_KEYS  # op, round, weight, nkeys, spec_len, flags, step
+    h = Round(
+        Op.GRAD, 7, [(3, 100), (9, 5)], weight=0.5, spec_len=12, flags=FLAG_SUM, step=42
+    ).encode()
+    assert h.dtype == torch.float64 and h.shape == (header_len(),)
+    assert h[:11].tolist() == [2.0, 7.0, 0.5, 2.0, 12.0, 1.0, 42.0, 3.0, 100.0, 9.0, 5.0]
+    assert not h[11:].any()
+    assert TAG_RESULT == TAG_DATA + MAX_KEYS  # result tags never collide with data tags
+
+
+@pytest.mark.parametrize(
+    "rnd",
+    [
+        Round(Op.INIT, 0, [(0, 10), (1, 3)], weight=0.0, spec_len=57),
+        Round(Op.GRAD, 12, [(5, 1000), (2, 7), (9, 1)], weight=1 / 3, flags=FLAG_SUM),
+        Round(Op.AVG, 99, [(0, 2**40 + 1)], weight=2 / 3, flags=FLAG_GLOBAL),
+        Round(Op.AVG, 3, [(k, k + 1) for k in range(MAX_KEYS)], weight=1 / 7),
+        Round(Op.STOP, 2**31),
+        Round(Op.SAVE, 4, [(1, 0)], weight=1e-300),
+    ],
+    ids=lambda r: r.op.name,
+)
+def test_encode_decode_round_trip(rnd: Round) -> None:
+    back = Round.decode(rnd.encode())
+    assert back == rnd
+    assert back.weight == rnd.weight  # exact, not approximately
+    assert type(back.op) is Op and all(type(k) is int and type(n) is int for k, n in back.keys)
+
+
+def test_weight_one_third_is_exact() -> None:
+    back = Round.decode(Round(Op.GRAD, 1, [(0, 4)], weight=1 / 3).encode())
+    assert back.weight == 1 / 3
+    assert back.weight != float(torch.tensor(1 / 3, dtype=torch.float32))  # not squeezed to fp32
+
+
+def test_too_many_keys() -> None:
+    with pytest.raises(ValueError):
+        Round(Op.GRAD, 0, [(k, 1) for k in range(MAX_KEYS + 1)]).encode()
+
+
+# --- agree --------------------------------------------------------------------------------------
+def test_agree_returns_the_round_the_summed_weight_and_the_spec_senders() -> None:
+    keys = [(4, 10), (1, 20)]
+    headers = stack(
+        Round(Op.GRAD, 5, keys, weight=0.5),
+        Round(Op.GRAD, 5, keys, weight=0.25, spec_len=40),
+        Round(Op.GRAD, 5, keys, weight=0.125),
+    )
+    rnd, weight, with_spec = agree(headers, [3, 6, 9], "dc 1")
+    assert rnd.op is Op.GRAD and rnd.round_id == 5 and rnd.keys == keys
+    assert weight == 0.875
+    assert with_spec == [6]
+
+
+def test_agree_sums_thirds_to_one() -> None:
+    headers = stack(*[Round(Op.AVG, 2, [(0, 3)], weight=1 / 3) for _ in range(3)])
+    _, weight, with_spec = agree(headers, [0, 1, 2], "global tier")
+    assert weight == 1.0
+    assert with_spec == []
+
+
+def test_agree_with_one_sender() -> None:
+    rnd, weight, with_spec = agree(
+        stack(Round(Op.INIT, 0, [(0, 8)], spec_len=3)), [11], "global tier"
+    )
+    assert (rnd.op, weight, with_spec) == (Op.INIT, 0.0, [11])
+
+
+def test_agree_every_sender_with_a_spec() -> None:
+    r = Round(Op.INIT, 0, [(0, 8)], spec_len=3)
+    assert agree(stack(r, r, r), [2, 4, 8], "x")[2] == [2, 4, 8]
+
+
+def test_agree_tolerates_differing_weights_and_spec_lengths() -> None:
+    headers = stack(
+        Round(Op.GRAD, 1, [(0, 5)], weight=3.0, spec_len=0),
+        Round(Op.GRAD, 1, [(0, 5)], weight=0.0, spec_len=9),
+    )
+    rnd, weight, with_spec = agree(headers, [0, 1], "dc 0")
+    assert weight == 3.0 and with_spec == [1] and rnd.spec_len == 0
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        Round(Op.GRAD, 8, [(1, 10), (0, 20)]),  # same keys, other order
+        Round(Op.GRAD, 8, [(0, 20)]),  # a key missing
+        Round(Op.GRAD, 8, [(0, 20), (1, 10), (2, 1)]),  # an extra key
+        Round(Op.GRAD, 8, [(0, 20), (1, 11)]),  # another size
+        Round(Op.AVG, 8, [(0, 20), (1, 10)]),  # another op
+        Round(Op.GRAD, 9, [(0, 20), (1, 10)]),  # another round
+        Round(Op.GRAD, 8, [(0, 20), (1, 10)], flags=FLAG_SUM),  # other flags
+    ],
+)
+def test_agree_mismatch_names_the_ranks(other: Round) -> None:
+    good = Round(Op.GRAD, 8, [(0, 20), (1, 10)], weight=1.0)
+    headers = stack(good, good, other)
+    with pytest.raises(ProtocolError) as exc:
+        agree(headers, [10, 11, 13], "datacenter 2")
+    message = str(exc.value)
+    assert "\n" not in message
+    assert message.startswith("datacenter 2: ")
+    assert "rank 13" in message and "rank 10" in message
+    assert "rank 11" not in message  # the agreeing sender is not blamed
+    assert f"round {other.round_id} {other.op.name}" in message
+    assert "same keys in the same order" in message
+
+
+def test_agree_mismatch_in_the_middle_names_that_sender() -> None:
+    good = Round(Op.AVG, 1, [(0, 4), (1, 4)])
+    bad = Round(Op.AVG, 1, [(1, 4), (0, 4)])
+    with pytest.raises(ProtocolError) as exc:
+        agree(stack(good, bad, good, good), [20, 21, 22, 23], "dc 4")
+    message = str(exc.value)
+    assert "rank 21 sent round 1 AVG keys [1, 0]" in message
+    assert "rank 20 sent round 1 AVG keys [0, 1]" in message

@@ -1,0 +1,224 @@
+"""Checkpoints during training: exact resume, re-sharding onto another topology, refusals."""
+
+import shutil
+import subprocess
+import sys
+
+import h5py
+import pytest
+import torch
+
+from geompi import ckpt
+from tests.mpirun import error_lines, mpirun, read_jsonl
+
+pytestmark = pytest.mark.mpi
+BASE = ["-m", "geompi.train", "--model", "mlp", "--batch-size", "12", "--progress-every", "1e9"]
+
+
+def train(n, *args, timeout=120, check=True):
+    return mpirun(n, BASE + [str(a) for a in args], timeout=timeout, check=check)
+
+
+def _leaves(tree, prefix=""):
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            yield from _leaves(v, f"{prefix}{k}/")
+        elif isinstance(v, torch.Tensor):
+            yield f"{prefix}{k}", v
+
+
+def identical(a, b) -> bool:
+    """Every tensor of the two checkpoints (model, optimizer, algorithm) is bitwise equal."""
+    ca, cb = ckpt.load(a), ckpt.load(b)
+    ta = dict(_leaves({"model": ca.model, "optimizer": ca.optimizer, "algorithm": ca.algorithm}))
+    tb = dict(_leaves({"model": cb.model, "optimizer": cb.optimizer, "algorithm": cb.algorithm}))
+    return ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
+
+
+def test_ckpt_diff_cli_reports_identical_tensors(good_ckpt, tmp_path):
+    shutil.copy(good_ckpt, tmp_path / "copy.h5")
+    res = subprocess.run(
+        [sys.executable, "-m", "geompi.ckpt", "diff", str(good_ckpt), str(tmp_path / "copy.h5")],
+        capture_output=True,
+        text=True,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+@pytest.mark.parametrize(
+    "algo",
+    [
+        ["--sync", "fsa", "--optimizer", "adam"],
+        ["--sync", "hfa", "--k1", "2", "--k2", "2", "--momentum", "0.9"],
+    ],
+)
+def test_resume_is_bitwise_identical(tmp_path, algo):
+    full, again, part = tmp_path / "full", tmp_path / "again", tmp_path / "part"
+    train(9, "--steps", 16, "--checkpoint-dir", full, *algo)
+    train(9, "--steps", 16, "--checkpoint-dir", again, *algo)
+    # deterministic: the same seed gives bitwise the same run
+    assert identical(full / "ckpt-00000016.h5", again / "ckpt-00000016.h5")
+    train(9, "--steps", 8, "--checkpoint-dir", part, *algo)
+    res = train(9, "--steps", 16, "--checkpoint-dir", part, "--resume", "latest", *algo)
+    assert "geompi: resumed from" in res.stderr and "at step 8" in res.stderr
+    a, b = full / "ckpt-00000016.h5", part / "ckpt-00000016.h5"
+    assert identical(a, b)
+    ca, cb = ckpt.load(a), ckpt.load(b)
+    assert ca.optimizer.keys() == cb.optimizer.keys()
+    if "hfa" in algo:  # each worker's local momentum survived the restart
+        assert len(ca.algorithm["hfa"]["local"]) == 5  # 9 ranks: 2 + 2 + 1 workers
+    else:
+        assert {"exp_avg", "exp_avg_sq", "step"} <= set(ca.optimizer)
+    assert not identical(a, part / "ckpt-00000008.h5")  # the comparison can fail
+
+
+def test_resume_onto_another_topology_reshards(tmp_path):
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    train(9, "--steps", 6, "--checkpoint-dir", src, "--optimizer", "adam")
+    shutil.copy(src / "ckpt-00000006.h5", tmp_path / "in.h5")
+    # 9 ranks -> 2 datacenters and 2 global servers; no further steps: the state written back
+    # after re-sharding must be the state that was read
+    res = train(
+        9,
+        "--steps",
+        6,
+        "--checkpoint-dir",
+        dst,
+        "--resume",
+        tmp_path / "in.h5",
+        "--dc-sizes",
+        "3,4",
+        "--global-servers",
+        "2",
+        "--optimizer",
+        "adam",
+    )
+    assert "re-sharded" in res.stderr
+    assert identical(tmp_path / "in.h5", dst / "ckpt-00000006.h5")
+
+
+def test_mixedsync_resumes_and_reaches_accuracy(tmp_path):
+    d = tmp_path / "ck"
+    train(
+        16,
+        "--sync",
+        "mixed",
+        "--optimizer",
+        "dcasgd",
+        "--model",
+        "cnn",
+        "--steps",
+        80,
+        "--checkpoint-dir",
+        d,
+        "--batch-size",
+        "16",
+        timeout=180,
+    )
+    metrics = tmp_path / "m.jsonl"
+    res = train(
+        16,
+        "--sync",
+        "mixed",
+        "--optimizer",
+        "dcasgd",
+        "--model",
+        "cnn",
+        "--steps",
+        210,
+        "--checkpoint-dir",
+        d,
+        "--resume",
+        "latest",
+        "--batch-size",
+        "16",
+        "--metrics",
+        metrics,
+        timeout=180,
+    )
+    assert "at step 80" in res.stderr
+    assert read_jsonl(metrics)[-1]["test_acc"] >= 0.93
+
+
+@pytest.fixture(scope="module")
+def good_ckpt(tmp_path_factory):
+    d = tmp_path_factory.mktemp("good")
+    train(4, "--steps", 3, "--checkpoint-dir", d)
+    return d / "ckpt-00000003.h5"
+
+
+def _flip_byte(path):
+    with h5py.File(path, "r") as f:
+        ds = f["model"][sorted(f["model"])[0]]
+        off = ds.id.get_chunk_info(0).byte_offset
+    with open(path, "r+b") as fh:
+        fh.seek(off + 3)
+        b = fh.read(1)
+        fh.seek(off + 3)
+        fh.write(bytes([b[0] ^ 0xFF]))
+
+
+def _truncate(path):
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def _bump_version(path):
+    with h5py.File(path, "r+") as f:
+        f.attrs["format_version"] = 99
+
+
+@pytest.mark.parametrize(
+    "damage,words",
+    [
+        (_flip_byte, ["checksum"]),
+        (_truncate, ["truncated"]),
+        (_bump_version, ["format_version 99", "upgrade geompi"]),
+    ],
+)
+def test_bad_checkpoint_is_refused_on_resume(tmp_path, good_ckpt, damage, words):
+    bad = tmp_path / "bad.h5"
+    shutil.copy(good_ckpt, bad)
+    damage(bad)
+    before = bad.read_bytes()
+    res = train(
+        4,
+        "--steps",
+        6,
+        "--checkpoint-dir",
+        tmp_path / "out",
+        "--resume",
+        bad,
+        check=False,
+        timeout=30,
+    )
+    errs = error_lines(res.stderr)
+    assert res.returncode != 0 and len(errs) == 1 and "Traceback" not in res.stderr, res.stderr
+    assert all(w in errs[0] for w in words), errs[0]
+    assert bad.read_bytes() == before  # nothing overwritten
+    assert not list((tmp_path / "out").glob("ckpt-*.h5"))  # and no run started
+    verify = subprocess.run(
+        [sys.executable, "-m", "geompi.ckpt", "verify", str(bad)], capture_output=True, text=True
+    )
+    assert verify.returncode == 1
+
+
+def test_checkpoint_of_another_model_is_refused(tmp_path, good_ckpt):
+    res = mpirun(
+        4,
+        ["-m", "geompi.train", "--model", "cnn", "--steps", "3", "--resume", str(good_ckpt)],
+        check=False,
+        timeout=30,
+    )
+    errs = error_lines(res.stderr)
+    assert res.returncode != 0 and len(errs) == 1, res.stderr
+    assert "different model" in errs[0]
+
+
+def test_unwritable_checkpoint_dir(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    res = train(4, "--steps", 3, "--checkpoint-dir", blocker / "ck", check=False, timeout=30)
+    errs = error_lines(res.stderr)
+    assert res.returncode != 0 and len(errs) == 1, res.stderr
+    assert "cannot write checkpoint" in errs[0] and "--checkpoint-dir" in errs[0]

@@ -1,0 +1,304 @@
+"""End-to-end tests of jobs/slurm/*.sbatch on a real, private single-node Slurm cluster.
+
+tests/slurm_cluster.py starts slurmctld and slurmd (installing Debian's slurm-wlm packages when
+run as root on a machine without them) and the whole module is skipped, with the reason, where
+that cannot be done. Jobs are submitted from the repository root, as users do, with their output,
+checkpoints and metrics redirected into pytest's tmp_path. Every wait has a timeout; a job that
+hangs is cancelled and fails its test.
+
+The smoke tests need only mpi4py: they run tests/slurm/mpi_smoke.py through the same launcher
+and signal-forwarding code (jobs/slurm/common.sh) as the real jobs. The training tests need
+geompi.train and geompi.ckpt and are skipped until those exist.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+try:
+    from slurm_cluster import JobResult, SlurmCluster, SlurmUnavailable, ensure_slurm
+except ImportError:  # tests/ imported as a package
+    from tests.slurm_cluster import JobResult, SlurmCluster, SlurmUnavailable, ensure_slurm
+
+pytestmark = pytest.mark.slurm
+
+REPO = Path(__file__).resolve().parents[1]
+JOBS = REPO / "jobs" / "slurm"
+SMOKE = REPO / "tests" / "slurm" / "smoke.sbatch"
+PYTHON = os.environ.get("GEOMPI_PYTHON") or (
+    str(REPO / ".venv" / "bin" / "python")
+    if (REPO / ".venv" / "bin" / "python").exists()
+    else sys.executable
+)
+SMALL_TRAIN = "--dataset digits --model mlp"
+JOB_TIMEOUT = float(os.environ.get("GEOMPI_SLURM_JOB_TIMEOUT", "300"))
+
+
+@pytest.fixture(scope="session")
+def slurm():
+    try:
+        cluster = ensure_slurm()
+    except SlurmUnavailable as e:
+        pytest.skip(f"Slurm unavailable: {e}")
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def _submit(
+    slurm: SlurmCluster,
+    script: Path,
+    tmp_path: Path,
+    export: dict[str, str],
+    ntasks: int = 8,
+    extra_args: tuple[str, ...] = (),
+) -> tuple[int, Path]:
+    out = tmp_path / "job-%x-%j.out"
+    env = {"GEOMPI_PYTHON": PYTHON, **export}
+    job_id = slurm.sbatch(
+        script,
+        export=env,
+        args=["-n", str(ntasks), "-o", str(out), "--time=00:15:00", *extra_args],
+        cwd=REPO,
+    )
+    name = slurm.job_info(job_id)["JobName"]
+    return job_id, tmp_path / f"job-{name}-{job_id}.out"
+
+
+def _read(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else f"(no output file {path})"
+
+
+def _assert_ok(res: JobResult, out: Path) -> str:
+    text = _read(out)
+    assert res.state == "COMPLETED" and res.exit_code == 0, (
+        f"job {res.job_id}: {res.state} exit {res.exit_code}:{res.signal}\n{text[-4000:]}"
+    )
+    return text
+
+
+# ---------------------------------------------------------------------------- the cluster
+
+
+def test_cluster_advertises_16_cpus(slurm):
+    info = slurm.run("scontrol", "show", "node", slurm.node, "-o").stdout
+    assert "CPUTot=16" in info, info
+    assert slurm.node_state().rstrip("*") in ("idle", "mixed", "allocated")
+
+
+def test_scripts_have_the_required_headers():
+    for name in ("fsa", "mixedsync", "hfa"):
+        text = (JOBS / f"{name}.sbatch").read_text()
+        for header in (
+            f"--job-name={name}",
+            "--nodes=1",
+            "--ntasks=16",
+            "--time=",
+            "--output=geompi-%x-%j.out",
+            "--signal=B:USR1@120",
+            "--requeue",
+            "--open-mode=append",
+        ):
+            assert f"#SBATCH {header}" in text, f"{name}.sbatch lacks #SBATCH {header}"
+        r = subprocess.run(["bash", "-n", str(JOBS / f"{name}.sbatch")], capture_output=True)
+        assert r.returncode == 0, r.stderr
+
+
+# ---------------------------------------------------------------------------- smoke jobs
+
+
+@pytest.mark.parametrize("launcher", ["mpirun", "srun", "auto"])
+def test_smoke_job(slurm, tmp_path, launcher):
+    t0 = time.monotonic()
+    job_id, out = _submit(slurm, SMOKE, tmp_path, {"GEOMPI_LAUNCHER": launcher})
+    res = slurm.wait_job(job_id, timeout=JOB_TIMEOUT)
+    text = _assert_ok(res, out)
+    assert "smoke: size=8 sum=28" in text, text
+    assert "smoke: done" in text, text
+    if launcher != "auto":
+        assert f"8 ranks via {launcher}" in text, text
+    # Nothing from PMIx/Open MPI complaining (e.g. the psec help text under srun).
+    assert "Sorry!" not in text, text
+    print(f"smoke job via {launcher}: {time.monotonic() - t0:.1f} s")
+
+
+@pytest.mark.parametrize("launcher", ["mpirun", "srun"])
+def test_smoke_exit_code_is_the_launchers(slurm, tmp_path, launcher):
+    job_id, out = _submit(
+        slurm, SMOKE, tmp_path, {"GEOMPI_LAUNCHER": launcher, "SMOKE_EXIT": "3"}, ntasks=4
+    )
+    res = slurm.wait_job(job_id, timeout=JOB_TIMEOUT)
+    assert res.state == "FAILED" and res.exit_code == 3, (res, _read(out))
+
+
+@pytest.mark.parametrize("launcher", ["mpirun", "srun"])
+def test_smoke_preempt_and_requeue(slurm, tmp_path, launcher):
+    """SIGUSR1 to the batch shell reaches every rank; a requeued job appends to its output."""
+    job_id, out = _submit(
+        slurm, SMOKE, tmp_path, {"GEOMPI_LAUNCHER": launcher, "SMOKE_WAIT_SIGNAL": "1"}
+    )
+    slurm.wait_for_file_text(out, "smoke: waiting for a signal", JOB_TIMEOUT, job_id=job_id)
+    slurm.run("scancel", "--signal=USR1", "--batch", str(job_id))
+    res = slurm.wait_job(job_id, timeout=60)
+    text = _assert_ok(res, out)
+    assert "got SIGUSR1" in text, text
+    assert "smoke: signals=" + ",".join(["SIGUSR1"] * 8) in text, text
+    assert "smoke: preempted" in text, text
+
+    restarts = slurm.requeue(job_id)
+    res = slurm.wait_job(job_id, timeout=JOB_TIMEOUT, min_restarts=restarts)
+    text = _assert_ok(res, out)
+    assert "smoke: preempted" in text, "first run's output was not kept:\n" + text
+    assert "smoke: resumed restart=1" in text, text
+    assert text.index("smoke: preempted") < text.index("smoke: resumed"), text
+
+
+@pytest.mark.parametrize("launcher", ["mpirun", "srun"])
+def test_smoke_sigterm_to_batch_shell_is_forwarded(slurm, tmp_path, launcher):
+    """SIGTERM to the batch shell alone is turned into SIGUSR1 for the ranks."""
+    job_id, out = _submit(
+        slurm, SMOKE, tmp_path, {"GEOMPI_LAUNCHER": launcher, "SMOKE_WAIT_SIGNAL": "1"}
+    )
+    slurm.wait_for_file_text(out, "smoke: waiting for a signal", JOB_TIMEOUT, job_id=job_id)
+    slurm.run("scancel", "--signal=TERM", "--batch", str(job_id))
+    res = slurm.wait_job(job_id, timeout=60)
+    text = _assert_ok(res, out)
+    assert "got SIGTERM" in text, text
+    assert "smoke: signals=" + ",".join(["SIGUSR1"] * 8) in text, text
+
+
+@pytest.mark.parametrize("launcher", ["mpirun", "srun"])
+def test_smoke_cancel_leaves_no_processes(slurm, tmp_path, launcher):
+    """A plain scancel (SIGTERM to every process, then SIGKILL) ends the job and its ranks."""
+    job_id, out = _submit(
+        slurm, SMOKE, tmp_path, {"GEOMPI_LAUNCHER": launcher, "SMOKE_WAIT_SIGNAL": "1"}
+    )
+    slurm.wait_for_file_text(out, "smoke: waiting for a signal", JOB_TIMEOUT, job_id=job_id)
+    assert len(slurm.job_processes(job_id)) >= 8
+    slurm.run("scancel", str(job_id))
+    res = slurm.wait_job(job_id, timeout=60)
+    assert res.state == "CANCELLED", (res, _read(out))
+    deadline = time.monotonic() + 30
+    while slurm.job_processes(job_id) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not slurm.job_processes(job_id), "processes of a cancelled job are still running"
+
+
+# ---------------------------------------------------------------------------- geompi jobs
+
+needs_train = pytest.mark.skipif(
+    not (REPO / "geompi" / "train.py").exists() or not (REPO / "geompi" / "ckpt.py").exists(),
+    reason="geompi.train / geompi.ckpt not written yet",
+)
+
+
+def _newest_checkpoint(ckpt_dir: Path) -> Path:
+    files = [
+        p
+        for p in ckpt_dir.rglob("*")
+        if p.is_file() and not p.name.startswith(".") and not p.name.endswith((".tmp", ".part"))
+    ]
+    assert files, f"no checkpoint in {ckpt_dir}"
+    return max(files, key=lambda p: p.stat().st_mtime)
+
+
+def _verify_checkpoint(path: Path) -> None:
+    r = subprocess.run(
+        [PYTHON, "-m", "geompi.ckpt", "verify", str(path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, f"geompi.ckpt verify {path}: {r.stdout}{r.stderr}"
+
+
+def _train_env(tmp_path: Path, **kw: str) -> dict[str, str]:
+    env = {
+        "GEOMPI_STEPS": "40",
+        "GEOMPI_CKPT_EVERY": "10",
+        "GEOMPI_CKPT_DIR": str(tmp_path / "ckpt"),
+        "GEOMPI_METRICS": str(tmp_path / "metrics.jsonl"),
+        "GEOMPI_EXTRA_ARGS": SMALL_TRAIN,
+    }
+    env.update(kw)
+    return env
+
+
+@needs_train
+@pytest.mark.parametrize("script", ["fsa", "mixedsync", "hfa"])
+def test_training_job(slurm, tmp_path, script):
+    t0 = time.monotonic()
+    env = _train_env(tmp_path)
+    if script == "hfa":
+        # HFA checkpoints at global syncs only: the script rounds the default 50 up to a
+        # multiple of K1*K2 = 8; 40 steps then leave just the final checkpoint.
+        del env["GEOMPI_CKPT_EVERY"]
+    job_id, out = _submit(slurm, JOBS / f"{script}.sbatch", tmp_path, env)
+    res = slurm.wait_job(job_id, timeout=JOB_TIMEOUT)
+    text = _assert_ok(res, out)
+    # Started from scratch although --resume latest was given, and it used --dc-map nodes.
+    assert "--resume latest" in text and "--dc-map nodes" in text, text
+    if script == "hfa":
+        assert "--checkpoint-every 56 " in text, text
+    done = [line for line in text.splitlines() if line.startswith("geompi: done:")]
+    assert done and "test_acc=" in done[-1], text
+    _verify_checkpoint(_newest_checkpoint(tmp_path / "ckpt"))
+    metrics = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert metrics, "metrics file is empty"
+    for line in metrics:
+        json.loads(line)
+    print(f"{script}.sbatch: {time.monotonic() - t0:.1f} s")
+
+
+@needs_train
+def test_training_job_preempted_and_requeued(slurm, tmp_path):
+    """USR1 to the batch shell: geompi checkpoints and exits 0; the requeued job resumes from
+    that checkpoint, appends to the same output file and finishes.
+
+    The first run is given far more steps than it can finish; before the requeue the settings
+    file (GEOMPI_SETTINGS, re-read at every start) is rewritten to end soon after the step at
+    which the job was pre-empted, so the test takes about as long on a slow machine as on a fast
+    one.
+    """
+    settings = tmp_path / "settings.env"
+    settings.write_text("GEOMPI_STEPS=100000\n")
+    # No periodic checkpoint (800 is a multiple of K1*K2 = 8): the one found after the
+    # pre-emption must be the one written on SIGUSR1.
+    env = _train_env(tmp_path, GEOMPI_CKPT_EVERY="800", GEOMPI_SETTINGS=str(settings))
+    env.pop("GEOMPI_STEPS")
+    job_id, out = _submit(slurm, JOBS / "hfa.sbatch", tmp_path, env)
+    slurm.wait_for_file_text(out, "geompi: step", JOB_TIMEOUT, job_id=job_id)
+    t0 = time.monotonic()
+    slurm.run("scancel", "--signal=USR1", "--batch", str(job_id))
+    res = slurm.wait_job(job_id, timeout=120)
+    text = _assert_ok(res, out)
+    preempted = [line for line in text.splitlines() if line.startswith("geompi: preempted")]
+    assert preempted, text
+    assert not any(line.startswith("geompi: done:") for line in text.splitlines()), text
+    print(f"pre-empted run stopped {time.monotonic() - t0:.1f} s after SIGUSR1: {preempted[0]}")
+    _verify_checkpoint(_newest_checkpoint(tmp_path / "ckpt"))
+
+    m = re.search(r"at step (\d+)", preempted[0])
+    stopped_at = int(m.group(1)) if m else max(map(int, re.findall(r"geompi: step (\d+)", text)))
+    settings.write_text(f"GEOMPI_STEPS={stopped_at + 24}\n")
+    restarts = slurm.requeue(job_id)
+    res = slurm.wait_job(job_id, timeout=JOB_TIMEOUT, min_restarts=restarts)
+    text = _assert_ok(res, out)
+    lines = text.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("geompi: preempted"))
+    resumed = [i for i, line in enumerate(lines) if line.startswith("geompi: resumed from")]
+    done = [i for i, line in enumerate(lines) if line.startswith("geompi: done:")]
+    assert resumed and resumed[-1] > first, text
+    assert done and done[-1] > resumed[-1] and "test_acc=" in lines[done[-1]], text
+    assert f"steps={stopped_at + 24}" in lines[done[-1]], text
+    _verify_checkpoint(_newest_checkpoint(tmp_path / "ckpt"))

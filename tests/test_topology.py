@@ -1,0 +1,261 @@
+"""Single-process tests of geompi.comm.topology: the plan, the layout, the roles and the errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from geompi.comm.topology import Role, Topology, dc_sizes_from_hosts
+from geompi.errors import ConfigError, TopologyError
+
+W, LS, GS = Role.WORKER, Role.LOCAL_SERVER, Role.GLOBAL_SERVER
+
+
+def one_line(exc: pytest.ExceptionInfo[BaseException]) -> str:
+    message = str(exc.value)
+    assert message and "\n" not in message
+    return message
+
+
+# --- the default plan ---------------------------------------------------------------------------
+def test_default_16_ranks_is_three_datacenters_of_five_and_one_global_server() -> None:
+    topo = Topology.plan(16)
+    assert topo.world_size == 16
+    assert topo.dc_sizes == (5, 5, 5)
+    assert topo.num_dcs == 3
+    assert topo.num_global_servers == 1
+    assert topo.global_servers == [15]
+    assert topo.num_workers == 12
+    assert [topo.workers(d) for d in range(3)] == [[0, 1, 2, 3], [5, 6, 7, 8], [10, 11, 12, 13]]
+    assert [topo.local_server(d) for d in range(3)] == [4, 9, 14]
+    assert [topo.dc_start(d) for d in range(3)] == [0, 5, 10]
+    assert topo.all_workers == [0, 1, 2, 3, 5, 6, 7, 8, 10, 11, 12, 13]
+    assert topo.describe() == {
+        "world_size": 16,
+        "dc_sizes": [5, 5, 5],
+        "global_servers": 1,
+        "workers": 12,
+    }
+
+
+def test_default_16_ranks_role_and_datacenter_of_every_rank() -> None:
+    topo = Topology.plan(16)
+    roles = [W, W, W, W, LS, W, W, W, W, LS, W, W, W, W, LS, GS]
+    dcs = [0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, None]
+    assert [topo.role(r) for r in range(16)] == roles
+    assert [topo.dc_of(r) for r in range(16)] == dcs
+    # rank 0 is the master worker: the first worker of datacenter 0
+    assert topo.role(0) is Role.WORKER and topo.dc_of(0) == 0
+
+
+def test_default_16_ranks_worker_index_is_the_position_among_all_workers() -> None:
+    topo = Topology.plan(16)
+    expected = {0: 0, 1: 1, 2: 2, 3: 3, 5: 4, 6: 5, 7: 6, 8: 7, 10: 8, 11: 9, 12: 10, 13: 11}
+    assert {r: topo.worker_index(r) for r in expected} == expected
+
+
+@pytest.mark.parametrize(
+    "world, sizes",
+    [
+        (3, (2,)),  # 2 ranks left: one datacenter
+        (4, (3,)),
+        (5, (2, 2)),  # 4 ranks left: two datacenters
+        (6, (3, 2)),  # the remainder goes to the first datacenters
+        (7, (2, 2, 2)),  # 6 ranks left: three datacenters
+        (9, (3, 3, 2)),
+        (32, (11, 10, 10)),
+    ],
+)
+def test_default_number_and_sizes_of_datacenters(world: int, sizes: tuple[int, ...]) -> None:
+    topo = Topology.plan(world)
+    assert topo.dc_sizes == sizes
+    assert topo.global_servers == [world - 1]
+
+
+def test_dcs_splits_evenly_with_the_remainder_first() -> None:
+    topo = Topology.plan(16, dcs=2)
+    assert topo.dc_sizes == (8, 7)
+    assert topo.workers(0) == list(range(7))
+    assert topo.local_server(0) == 7
+    assert topo.workers(1) == list(range(8, 14))
+    assert topo.local_server(1) == 14
+    assert topo.global_servers == [15]
+
+
+# --- uneven sizes and several global servers ----------------------------------------------------
+def test_uneven_dc_sizes_layout_and_roles() -> None:
+    topo = Topology.plan(12, dc_sizes=[3, 6, 2])
+    assert topo.dc_sizes == (3, 6, 2)
+    assert topo.workers(0) == [0, 1]
+    assert topo.local_server(0) == 2
+    assert topo.workers(1) == [3, 4, 5, 6, 7]
+    assert topo.local_server(1) == 8
+    assert topo.workers(2) == [9]
+    assert topo.local_server(2) == 10
+    assert topo.global_servers == [11]
+    assert topo.num_workers == 8
+    roles = [W, W, LS, W, W, W, W, W, LS, W, LS, GS]
+    assert [topo.role(r) for r in range(12)] == roles
+    assert [topo.dc_of(r) for r in range(12)] == [0, 0, 0, 1, 1, 1, 1, 1, 1, 2, 2, None]
+    assert [topo.worker_index(r) for r in (0, 1, 3, 4, 5, 6, 7, 9)] == list(range(8))
+
+
+def test_dcs_equal_to_the_length_of_dc_sizes_is_accepted() -> None:
+    assert Topology.plan(12, dcs=3, dc_sizes=(3, 6, 2)).dc_sizes == (3, 6, 2)
+
+
+def test_several_global_servers_take_the_last_ranks() -> None:
+    topo = Topology.plan(16, global_servers=3)
+    assert topo.num_global_servers == 3
+    assert topo.dc_sizes == (5, 4, 4)  # 13 ranks left for three datacenters
+    assert topo.global_servers == [13, 14, 15]
+    assert [topo.local_server(d) for d in range(3)] == [4, 8, 12]
+    assert topo.all_workers == [0, 1, 2, 3, 5, 6, 7, 9, 10, 11]
+    roles = [W, W, W, W, LS, W, W, W, LS, W, W, W, LS, GS, GS, GS]
+    assert [topo.role(r) for r in range(16)] == roles
+    assert [topo.dc_of(r) for r in (13, 14, 15)] == [None, None, None]
+
+
+def test_several_global_servers_with_dc_sizes() -> None:
+    topo = Topology.plan(10, dc_sizes=[4, 4], global_servers=2)
+    assert topo.global_servers == [8, 9]
+    assert topo.workers(1) == [4, 5, 6]
+    assert topo.local_server(1) == 7
+
+
+# --- shard bounds -------------------------------------------------------------------------------
+@pytest.mark.parametrize("g", [1, 2, 3, 4])
+@pytest.mark.parametrize("numel", [0, 1, 2, 3, 4, 5, 7, 10, 100, 1001, 65537])
+def test_shard_bounds_cover_the_key_disjointly(g: int, numel: int) -> None:
+    topo = Topology.plan(4 + g, dc_sizes=[2, 2], global_servers=g)
+    bounds = [topo.shard_bounds(numel, s) for s in range(g)]
+    owner = [0] * numel  # how many servers own each element
+    for lo, hi in bounds:
+        assert 0 <= lo <= hi <= numel
+        for i in range(lo, hi):
+            owner[i] += 1
+    assert owner == [1] * numel
+    assert bounds[0][0] == 0 and bounds[-1][1] == numel
+    assert all(bounds[s][1] == bounds[s + 1][0] for s in range(g - 1))  # in server order
+    sizes = [hi - lo for lo, hi in bounds]
+    assert max(sizes) - min(sizes) <= 1  # balanced
+
+
+def test_shard_bounds_exact_values() -> None:
+    topo = Topology.plan(7, dc_sizes=[2, 2], global_servers=3)
+    assert [topo.shard_bounds(10, s) for s in range(3)] == [(0, 3), (3, 6), (6, 10)]
+    assert [topo.shard_bounds(2, s) for s in range(3)] == [(0, 0), (0, 1), (1, 2)]
+    one = Topology.plan(3)
+    assert one.shard_bounds(5, 0) == (0, 5)
+
+
+# --- errors -------------------------------------------------------------------------------------
+def test_errors_are_config_errors() -> None:
+    assert issubclass(TopologyError, ConfigError)
+
+
+def test_world_too_small() -> None:
+    with pytest.raises(TopologyError) as exc:
+        Topology.plan(2)
+    message = one_line(exc)
+    assert "2 rank(s)" in message and "mpirun -n 3" in message
+
+
+def test_world_too_small_for_several_global_servers() -> None:
+    with pytest.raises(TopologyError) as exc:
+        Topology.plan(4, global_servers=3)
+    assert "mpirun -n 5" in one_line(exc)
+
+
+@pytest.mark.parametrize("sizes, dc", [([1, 14], 0), ([5, 9, 1], 2), ([16, -1], 1), ([15, 0], 1)])
+def test_datacenter_without_a_worker(sizes: list[int], dc: int) -> None:
+    with pytest.raises(TopologyError) as exc:
+        Topology.plan(16, dc_sizes=sizes)
+    message = one_line(exc)
+    assert f"datacenter {dc} has {sizes[dc]} rank(s)" in message
+    assert "no worker" in message and "size >= 2" in message
+
+
+def test_dc_sizes_not_adding_up() -> None:
+    with pytest.raises(TopologyError) as exc:
+        Topology.plan(16, dc_sizes=[5, 5])
+    message = one_line(exc)
+    assert "--dc-sizes 5,5 adds up to 10" in message
+    assert "make the sizes add up to 15" in message
+
+
+def test_dc_sizes_counting_the_global_server_do_not_add_up() -> None:
+    with pytest.raises(TopologyError) as exc:
+        Topology.plan(16, dc_sizes=[8, 8])
+    assert "add up to 15" in one_line(exc)
+
+
+def test_dcs_mismatch_with_dc_sizes() -> None:
+    with pytest.raises(TopologyError) as exc:
+        Topology.plan(16, dcs=2, dc_sizes=[5, 5, 5])
+    message = one_line(exc)
+    assert "--dcs 2" in message and "3 datacenters" in message and "drop --dcs" in message
+
+
+def test_too_many_datacenters() -> None:
+    assert Topology.plan(16, dcs=7).dc_sizes == (3, 2, 2, 2, 2, 2, 2)  # 14 <= 15 still fits
+    with pytest.raises(TopologyError) as exc:
+        Topology.plan(16, dcs=8)
+    message = one_line(exc)
+    assert "8 datacenters need at least 16 ranks" in message
+    assert "mpirun -n 17" in message and "fewer --dcs" in message
+
+
+@pytest.mark.parametrize("dcs", [0, -1])
+def test_no_datacenter(dcs: int) -> None:
+    with pytest.raises(TopologyError) as exc:
+        Topology.plan(16, dcs=dcs)
+    assert f"--dcs {dcs}" in one_line(exc)
+
+
+@pytest.mark.parametrize("g", [0, -2])
+def test_global_servers_zero(g: int) -> None:
+    with pytest.raises(TopologyError) as exc:
+        Topology.plan(16, global_servers=g)
+    message = one_line(exc)
+    assert f"--global-servers {g}" in message and "at least 1 global server" in message
+
+
+# --- datacenters from host names ----------------------------------------------------------------
+def test_dc_sizes_from_hosts_two_nodes_of_eight() -> None:
+    hosts = ["node0"] * 8 + ["node1"] * 8
+    sizes = dc_sizes_from_hosts(hosts, 1)
+    assert sizes == [8, 7]
+    topo = Topology.plan(16, dc_sizes=sizes)
+    assert topo.local_server(0) == 7 and topo.local_server(1) == 14 and topo.global_servers == [15]
+
+
+def test_dc_sizes_from_hosts_more_cases() -> None:
+    assert dc_sizes_from_hosts(["a"] * 4 + ["b"] * 4 + ["c"] * 4, 2) == [4, 4, 2]
+    # a node holding only the global server is no datacenter
+    assert dc_sizes_from_hosts(["a"] * 5 + ["b"] * 5 + ["c"], 1) == [5, 5]
+    assert dc_sizes_from_hosts(["a"] * 3 + ["b"] * 2, 1) == [3, 1]
+
+
+# --- the table ----------------------------------------------------------------------------------
+def test_table_lists_every_datacenter() -> None:
+    topo = Topology.plan(12, dc_sizes=[3, 6, 2])
+    lines = topo.table().splitlines()
+    assert len(lines) == 2 + 3 + 1
+    assert "12 ranks" in lines[0] and "3 datacenter(s)" in lines[0] and "8 workers" in lines[0]
+    dc_lines = [line for line in lines if line.strip().startswith("DC ")]
+    assert [line.split()[:3] for line in dc_lines] == [
+        ["DC", "0", "2"],
+        ["DC", "1", "8"],
+        ["DC", "2", "10"],
+    ]
+    assert dc_lines[0].endswith("ranks 0-1 (2)")
+    assert dc_lines[1].endswith("ranks 3-7 (5)")
+    assert dc_lines[2].endswith("rank 9")
+    assert lines[-1].split() == ["global", "servers", "rank", "11"]
+
+
+def test_table_with_two_global_servers() -> None:
+    text = Topology.plan(16, global_servers=2).table()
+    for d in range(3):
+        assert f"DC {d}" in text
+    assert "servers ranks 14-15 (2)" in text

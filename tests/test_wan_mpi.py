@@ -1,0 +1,91 @@
+"""WAN compression and the emulated WAN link, in FSA, MixedSync and HFA (one 7-rank job)."""
+
+import json
+
+import pytest
+import torch
+
+from tests.mpirun import mpirun, prog
+from tests.reference import max_abs_diff
+
+pytestmark = pytest.mark.mpi
+
+DCS = 2  # tests/progs/wan_cases.py: datacenters of 2 + 1 workers, 2 global servers
+
+
+@pytest.fixture(scope="module")
+def wan(tmp_path_factory):
+    out = tmp_path_factory.mktemp("wan")
+    mpirun(7, [prog("wan_cases.py"), str(out)], timeout=300)
+    return out, json.loads((out / "cases.json").read_text())
+
+
+def per_step(rec: dict, name: str, key: str = "wan_data_bytes") -> float:
+    """Bytes per step from two run lengths: one-off rounds (INIT, MixedSync's final fetch)
+    cancel out."""
+    return (rec[f"{name}_12"][key] - rec[f"{name}_6"][key]) / 6
+
+
+def test_uncompressed_wan_bytes_are_the_model_both_ways(wan):
+    _, meta = wan
+    rec, n = meta["record"], meta["numel"]
+    # each datacenter pushes n fp32 values and pulls n back, every step
+    assert per_step(rec, "fsa_none") == DCS * 2 * 4 * n
+    assert per_step(rec, "mixed_none") == DCS * 2 * 4 * n
+    # HFA with K1*K2 = 6: one global round between step 6 and step 12
+    assert per_step(rec, "hfa_none") * 6 == DCS * 2 * 4 * n
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_half_precision_halves_wan_bytes_exactly(wan, dtype):
+    rec = wan[1]["record"]
+    assert per_step(rec, f"fsa_{dtype}") * 2 == per_step(rec, "fsa_none")
+
+
+@pytest.mark.parametrize("algo", ["fsa", "mixed", "hfa"])
+def test_topk_1_percent_cuts_wan_bytes_over_30x_both_ways(wan, algo):
+    rec = wan[1]["record"]
+    ratio = per_step(rec, f"{algo}_none") / per_step(rec, f"{algo}_topk:0.01")
+    assert ratio >= 30, ratio
+
+
+@pytest.mark.parametrize(
+    "algo, reference", [("fsa_topk1", "fsa_none_12"), ("hfa_topk1", "hfa_none")]
+)
+def test_lossless_topk_equals_no_compression(wan, algo, reference):
+    """top-k keeping every value goes through the whole codec (push, pull through replicas,
+    HFA's reference) and must land on the uncompressed parameters, up to rounding."""
+    out, _ = wan
+    assert max_abs_diff(torch.load(out / f"{algo}.pt"), torch.load(out / f"{reference}.pt")) <= 1e-6
+
+
+def test_lossy_compression_changes_the_result(wan):
+    """The lossless check above must be able to fail: fp16 does move the parameters."""
+    out, _ = wan
+    diff = max_abs_diff(torch.load(out / "fsa_fp16_12.pt"), torch.load(out / "fsa_none_12.pt"))
+    assert diff > 1e-7
+
+
+@pytest.mark.parametrize("algo, wan_rounds", [("fsa", 10), ("mixed", 10), ("hfa", 2)])
+def test_emulated_wan_costs_at_least_latency_plus_bytes_over_bandwidth(wan, algo, wan_rounds):
+    """40 ms one-way and 8 Mbit/s: every global round moves one datacenter's model each way
+    on its own link, so it takes at least 2 x (40 ms + 4n bytes / 1 MB/s)."""
+    rec, n = wan[1]["record"], wan[1]["numel"]
+    floor = wan_rounds * 2 * (0.040 + 4 * n / 1e6)
+    r = rec[f"{algo}_wan"]
+    assert r["wall_s"] >= floor
+    split = r["time_split"]
+    assert split["wan_wait_s"] >= split["wan_held_s"] >= 0.8 * floor
+    # without the emulation, the same run takes a fraction of that
+    assert rec[f"{algo}_none_12"]["time_split"]["wan_held_s"] == 0
+
+
+def test_emulated_lan_port_serializes_the_workers_traffic(wan):
+    """--lan-bandwidth 8Mbit: datacenter 0's local server takes in 2 workers' pushes and sends
+    2 results of 4n bytes each per step, one after the other at 1 MB/s."""
+    rec, n = wan[1]["record"], wan[1]["numel"]
+    r = rec["fsa_lan"]
+    floor = 5 * 4 * (4 * n / 1e6)
+    assert r["wall_s"] >= floor
+    assert r["time_split"]["wan_held_s"] == 0  # the WAN was not limited
+    assert r["time_split"]["lan_held_s"] > 0

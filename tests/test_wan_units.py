@@ -1,0 +1,169 @@
+"""The emulated link's arithmetic and the WAN compressors, without MPI."""
+
+import time
+
+import pytest
+import torch
+
+from geompi.comm.compression import ErrorFeedback, TopKCompressor, make_compressor
+from geompi.comm.linkmodel import Channel, LinkModel, parse_duration, parse_rate
+from geompi.config import make_config
+from geompi.errors import ConfigError
+from geompi.ps.wan import TierCodec
+
+
+@pytest.mark.parametrize(
+    "text, bytes_per_s",
+    [("100Mbit", 12.5e6), ("1Gbit", 125e6), ("12.5MB", 12.5e6), ("800kbit/s", 1e5)],
+)
+def test_parse_rate(text, bytes_per_s):
+    assert parse_rate(text) == pytest.approx(bytes_per_s)
+
+
+@pytest.mark.parametrize("text, s", [("25ms", 0.025), ("0.1s", 0.1), ("500us", 5e-4)])
+def test_parse_duration(text, s):
+    assert parse_duration(text) == pytest.approx(s)
+
+
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--wan-bandwidth", "100"], "--wan-bandwidth '100': give a rate with a unit"),
+        (["--wan-bandwidth", "0Mbit"], "must be > 0"),
+        (["--wan-latency", "25"], "--wan-latency '25': give a time with a unit"),
+        (["--lan-bandwidth", "fast"], "--lan-bandwidth 'fast'"),
+        (["--wan-compression", "topk:2"], "unknown --wan-compression 'topk:2'"),
+        (["--wan-compression", "zstd"], "choose none, fp16, bf16 or topk:FRACTION"),
+    ],
+)
+def test_bad_wan_flags_are_one_line_errors(flags, needle):
+    with pytest.raises(ConfigError) as e:
+        make_config(flags, env={}).validate()
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_bad_wan_environment_names_the_variable():
+    with pytest.raises(ConfigError, match="unknown GEOMPI_WAN_COMPRESSION 'zstd'"):
+        make_config([], env={"GEOMPI_WAN_COMPRESSION": "zstd"}).validate()
+
+
+def test_wan_settings_from_environment():
+    env = {"GEOMPI_WAN_BANDWIDTH": "1Gbit", "GEOMPI_WAN_COMPRESSION": "fp16"}
+    w = make_config([], env=env).validate().wan_settings()
+    assert w.wan.bandwidth == 125e6 and w.compression == "fp16" and not w.lan.active
+
+
+def test_channel_serializes_and_pipelines_latency():
+    ch = Channel(LinkModel(bandwidth=1000.0, latency=0.5))
+    # Two transfers ready at t=10: the second starts when the first has left (t=11), and
+    # latency is paid once per transfer, overlapped, not added up.
+    assert ch.schedule(1000, ready=10.0) == pytest.approx(11.5)
+    assert ch.schedule(500, ready=10.0) == pytest.approx(12.0)
+    # An idle link starts at once.
+    assert ch.schedule(0, ready=20.0) == pytest.approx(20.5)
+
+
+def test_channel_holds_at_least_latency_plus_size_over_bandwidth():
+    ch = Channel(LinkModel(bandwidth=1e6, latency=0.02))
+    t0 = time.perf_counter()
+    ch.hold_until(ch.schedule(30_000))
+    assert time.perf_counter() - t0 >= 0.05
+    assert ch.held_s >= 0.049
+
+
+def test_burst_queues_from_the_first_arrival():
+    ch = Channel(LinkModel(bandwidth=1e9, latency=0.03))
+    burst: list[float] = []
+    t0 = time.perf_counter()
+    for _ in range(3):  # three results of one round: one latency, not three
+        ch.hold_burst(burst, 10)
+    elapsed = time.perf_counter() - t0
+    assert 0.03 <= elapsed < 0.085
+
+
+@pytest.mark.parametrize("spec", ["none", "fp16", "bf16", "topk:0.01", "topk:0.5"])
+def test_payload_size_is_what_the_compressor_announces(spec):
+    c = make_compressor(spec)
+    for n in (1, 7, 1000, 12345):
+        x = torch.randn(n)
+        p = c.compress(x)
+        assert p.dtype == torch.uint8 and p.numel() == c.payload_nbytes(n)
+        assert c.decompress(p, n).shape == (n,)
+
+
+def test_ratios():
+    assert make_compressor("fp16").ratio(1000) == 2.0
+    assert make_compressor("bf16").ratio(1000) == 2.0
+    assert make_compressor("topk:0.01").ratio(100_000) == 50.0  # 4 bytes -> (4 + 4) / 100
+    assert make_compressor("none").ratio(10) == 1.0
+
+
+def test_casts_round_like_torch():
+    x = torch.randn(1000) * 100
+    for spec, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
+        c = make_compressor(spec)
+        assert torch.equal(c.decompress(c.compress(x), 1000), x.to(dtype).float())
+
+
+def test_topk_keeps_the_largest_values_exactly():
+    x = torch.tensor([0.1, -5.0, 0.2, 3.0, -0.3, 0.0, 1.0, 0.05])
+    c = TopKCompressor(0.25)  # k = 2
+    assert torch.equal(c.decompress(c.compress(x), 8), torch.tensor([0, -5.0, 0, 3.0, 0, 0, 0, 0]))
+
+
+def test_error_feedback_sends_everything_eventually():
+    """Top-k with error feedback: the sum of what was sent trails the sum of the inputs by
+    exactly the residual, and a constant input is fully delivered over time."""
+    torch.manual_seed(0)
+    ef = ErrorFeedback(TopKCompressor(0.1))
+    c = ef.compressor
+    sent = torch.zeros(50)
+    total = torch.zeros(50)
+    for _ in range(40):
+        x = torch.randn(50)
+        total += x
+        sent += c.decompress(ef.compress("k", x), 50)
+    assert torch.allclose(sent + ef.residual["k"], total, atol=1e-5)
+    ef2 = ErrorFeedback(TopKCompressor(0.1))
+    sent = torch.zeros(50)
+    for _ in range(200):
+        sent += c.decompress(ef2.compress("k", torch.ones(50)), 50)
+    assert torch.allclose(sent / 200, torch.ones(50), atol=0.06)
+
+
+def test_error_feedback_skips_a_nonfinite_round():
+    ef = ErrorFeedback(make_compressor("topk:0.5"))
+    ef.compress("k", torch.tensor([1.0, 2.0]))
+    before = ef.residual["k"].clone()
+    payload = ef.compress("k", torch.tensor([float("nan"), 1.0]))
+    assert torch.equal(ef.residual["k"], before)
+    assert torch.isfinite(ef.compressor.decompress(payload, 2)).all()
+
+
+def test_pull_replicas_stay_identical_and_converge():
+    """The global server's and a local server's replica move by the same decoded payloads;
+    the replica approaches the true values as the pulls repeat (error feedback)."""
+    gs, ls = TierCodec(TopKCompressor(0.2)), TierCodec(TopKCompressor(0.2))
+    values = torch.randn(100)
+    out = torch.empty(100)
+    for _ in range(8):
+        ls.decode_pull("k", gs.encode_pull("k", values), out)
+        assert torch.equal(gs.replica["k"], ls.replica["k"]) and torch.equal(out, ls.replica["k"])
+    assert torch.allclose(out, values)
+
+
+def test_hfa_push_keeps_what_compression_left_out_in_the_model():
+    """An HFA datacenter whose change from the replica was only partly sent carries the rest
+    in its model, so no local progress is lost to compression."""
+    ls = TierCodec(TopKCompressor(0.25))
+    ls.set_replica("k", torch.zeros(8))
+    params = torch.tensor([4.0, 0.1, -0.2, 0.3, 0.0, 0.5, -3.0, 0.2])
+    payload = ls.encode_push("k", 2.0 * params, ref_weight=2.0)  # weight 2: sum of 2 workers
+    sent = ls.compressor.decompress(payload, 8) / 2.0
+    assert torch.equal(sent, torch.tensor([4.0, 0, 0, 0, 0, 0, -3.0, 0]))
+    out = torch.empty(8)
+    # a lone datacenter: the global model moves by exactly what it sent ...
+    ls.decode_pull("k", ls.compressor.compress(sent), out)
+    assert torch.equal(ls.replica["k"], sent)
+    # ... and the datacenter's model is its own again, not the sparse replica
+    assert torch.allclose(out, params)
