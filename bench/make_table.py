@@ -1,0 +1,498 @@
+"""Turn bench/results/*.json into bench/results/README.md (and print it): one table per benchmark.
+
+    python bench/make_table.py [--results bench/results] [--out bench/results/README.md]
+
+Each table has the benchmark's key figures and ratios against its goal, the command that
+produced it (from the benchmark script's docstring) and when the JSON was written. A missing or
+unreadable file is skipped (or listed as unreadable); an unknown benchmark gets a generic table
+of its top-level numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import datetime
+import json
+import os
+import pathlib
+import platform
+import re
+import sys
+
+BENCH = pathlib.Path(__file__).resolve().parent
+ORDER = (
+    "wan_time_to_accuracy",
+    "throughput",
+    "sync_overhead",
+    "gs_bytes",
+    "mixed_slowdown",
+    "checkpoint",
+    "gpu_check",
+)
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+def script_command(name: str) -> str | None:
+    """The first ``mpirun ...`` or ``python ...`` line of bench/NAME.py's docstring."""
+    path = BENCH / f"{name}.py"
+    try:
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+    except (OSError, SyntaxError, ValueError):
+        return None
+    for line in doc.splitlines():
+        line = line.strip()
+        if line.startswith(("mpirun ", "python ")):
+            return line.split("  #")[0].strip()
+    return None
+
+
+def meets(value: float | None, goal: str | None) -> str:
+    """'yes' / 'no' for a goal such as '>= 1.0' or '<= 1.5'; '' when either is unknown."""
+    m = re.match(r"\s*(>=|<=|>|<)\s*([0-9.eE+-]+)", goal or "")
+    if value is None or m is None:
+        return ""
+    op, bound = m.group(1), float(m.group(2))
+    ok = {">=": value >= bound, "<=": value <= bound, ">": value > bound, "<": value < bound}[op]
+    return "yes" if ok else "**no**"
+
+
+def num(x, digits: int = 2) -> str:
+    if isinstance(x, bool) or x is None:
+        return str(x)
+    if isinstance(x, int):
+        return f"{x:,}"
+    if isinstance(x, float):
+        if x != 0 and (abs(x) >= 1e6 or abs(x) < 10 ** -(digits + 1)):
+            return f"{x:.{digits}e}"
+        return f"{x:,.{digits}f}"
+    return str(x)
+
+
+def table(header: list[str], rows: list[list]) -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return out
+
+
+# ---- one renderer per benchmark: data -> markdown lines ----------------------------------------
+def render_throughput(d: dict) -> list[str]:
+    sps, ratio, goals = d["samples_per_s"], d["ratio"], d.get("goals", {})
+    rows = []
+    for label, g, t, r in (
+        ("FSA vs torch DDP (gloo)", "geompi_fsa", "torch_ddp", "fsa_vs_ddp"),
+        ("HFA vs torch HierarchicalModelAverager", "geompi_hfa", "torch_avg", "hfa_vs_averager"),
+    ):
+        goal = goals.get(r)
+        rows.append(
+            [
+                label,
+                num(sps[g], 0),
+                num(sps[t], 0),
+                num(ratio[r]),
+                goal or "",
+                meets(ratio[r], goal),
+            ]
+        )
+    out = table(
+        ["comparison", "geompi samples/s", "torch samples/s", "geompi / torch", "goal", "met"], rows
+    )
+    same = d.get("same_training", {})
+    hfa = d.get("hfa", {})
+    out.append("")
+    out.append(
+        f"- {d.get('workers')} training processes on both sides "
+        f"({d.get('ranks')} ranks for geompi), {d.get('model')} on {d.get('dataset')}, "
+        f"batch {d.get('batch_size')} per worker, "
+        f"{d.get('steps')} steps after a {d.get('warmup_steps')}-step warm-up, median of "
+        f"{d.get('reps')} interleaved runs, HFA k1={hfa.get('k1')} k2={hfa.get('k2')}, "
+        f"{d.get('torch_threads')} torch thread per process."
+    )
+    if same:
+        accs = same.get("test_acc_first_rep", {})
+        out.append(
+            f"- Same training on both sides: after {same.get('after_steps', '?')} steps the "
+            f"parameters differ by at most {num(same.get('fsa_vs_ddp_max_abs_diff'))} (FSA/DDP) "
+            f"and {num(same.get('hfa_vs_averager_max_abs_diff'))} (HFA/averager)"
+            + (
+                "; test accuracy after the timed run: "
+                + ", ".join(f"{k} {num(v, 4)}" for k, v in accs.items())
+                if accs
+                else ""
+            )
+            + "."
+        )
+    spread = d.get("all_samples_per_s", {})
+    if spread:
+        out.append(
+            "- Every run (samples/s): "
+            + "; ".join(f"{k} " + ", ".join(num(x, 0) for x in v) for k, v in spread.items())
+            + "."
+        )
+    cpu = d.get("cpu_s_median")
+    if cpu:
+        out.append(
+            "- CPU seconds per run, workers + servers (median): "
+            + "; ".join(
+                f"{k} {num(v.get('workers'), 1)} + {num(v.get('servers'), 1)}"
+                for k, v in cpu.items()
+            )
+            + " (geompi's include its start-up)."
+        )
+    m = d.get("machine_cpu_s")
+    if m and m.get("available"):
+        out.append(
+            f"- Other processes on the machine used {100 * m['others'] / m['available']:.0f}% "
+            f"of its {d.get('cpus')} CPUs during the timed runs (this job "
+            f"{100 * m['this_job'] / m['available']:.0f}%)."
+        )
+    return out
+
+
+def render_sync_overhead(d: dict) -> list[str]:
+    med, ratio = d["median_s"], d["ratio"]
+    rows = [
+        [
+            size,
+            num(med["geompi"][size], 4),
+            num(med["mpi_allreduce"][size], 4),
+            num(med["gloo_allreduce"][size], 4),
+            num(r["vs_mpi_allreduce"]),
+            num(r["vs_gloo_allreduce"]),
+        ]
+        for size, r in ratio.items()
+    ]
+    out = table(
+        [
+            "buffer",
+            "geompi push+pull s",
+            "MPI Allreduce s",
+            "gloo all_reduce s",
+            "geompi / MPI",
+            "geompi / gloo",
+        ],
+        rows,
+    )
+    goal = d.get("goal", "")
+    m = re.match(r".*?(<=|>=)\s*([0-9.]+)\s+at\s+(\S+)\s*MB", goal)
+    met = ""
+    if m and f"{m.group(3)}MB" in ratio:
+        met = meets(ratio[f"{m.group(3)}MB"]["vs_mpi_allreduce"], f"{m.group(1)} {m.group(2)}")
+    out.append("")
+    out.append(
+        f"Median of {d.get('reps')} rounds, {d.get('workers')} workers of {d.get('ranks')} ranks. "
+        f"Goal: {goal}" + (f" (met: {met})." if met else ".")
+    )
+    return out
+
+
+def render_mixed_slowdown(d: dict) -> list[str]:
+    goals = d.get("goals", {})
+    acc = d.get("test_acc", {})
+    rows = [
+        [
+            "fast / slow datacenter updates when DC 0 finished",
+            num(d["fast_over_slow_updates"]),
+            goals.get("fast_over_slow_updates", ""),
+            meets(d["fast_over_slow_updates"], goals.get("fast_over_slow_updates")),
+        ],
+        [
+            "FSA / MixedSync time to the step count",
+            num(d["fsa_over_mixed_time_to_steps"]),
+            goals.get("fsa_over_mixed_time_to_steps", ""),
+            meets(d["fsa_over_mixed_time_to_steps"], goals.get("fsa_over_mixed_time_to_steps")),
+        ],
+        ["FSA train s", num(d.get("fsa_train_s")), "", ""],
+        ["MixedSync (DC 0) train s", num(d.get("mixed_dc0_train_s")), "", ""],
+        ["test accuracy FSA / MixedSync", f"{num(acc.get('fsa'), 4)} / {num(acc.get('mixed'), 4)}"]
+        + ["", ""],
+        ["mean staleness (MixedSync)", num(d.get("mean_staleness")), "", ""],
+    ]
+    slow = d.get("slowdown", {})
+    out = table(["figure", "value", "goal", "met"], rows)
+    out.append("")
+    out.append(
+        f"{d.get('steps')} steps; datacenter {slow.get('dc')} slowed {slow.get('factor')}x "
+        f"({slow.get('kind', 'emulation')}); updates per datacenter when DC 0 finished: "
+        f"{d.get('updates_when_dc0_done')}."
+    )
+    return out
+
+
+def render_checkpoint(d: dict) -> list[str]:
+    med = d["median_s"]
+    mb = d["data_bytes"] / 1e6
+    rows = [[op, num(s, 3), num(mb / s, 0)] for op, s in med.items()]
+    out = table(["operation", "median s", "MB/s"], rows)
+    goal = d.get("goal", "")
+    g = re.sub(r"^\s*save_ratio\s*", "", goal)
+    out.append("")
+    out += table(
+        ["ratio", "value", "goal", "met"],
+        [
+            ["geompi save / torch.save", num(d["save_ratio"]), g, meets(d["save_ratio"], g)],
+            [
+                "geompi save / (torch.save + fsync)",
+                num(d.get("save_ratio_vs_torch_save_fsync")),
+                "",
+                "",
+            ],
+            ["geompi load (verify) / torch.load", num(d.get("load_ratio")), "", ""],
+        ],
+    )
+    out.append("")
+    out.append(
+        f"{num(d.get('params'))} parameters in {d.get('tensors')} tensors ({mb:.0f} MB), median "
+        f"of {d.get('repeat')}. geompi.ckpt.save fsyncs; torch.save does not."
+    )
+    return out
+
+
+def render_gpu_check(d: dict) -> list[str]:
+    if d.get("skipped"):
+        return [f"Skipped: {d['skipped']} (CUDA-aware MPI: {d.get('cuda_aware_mpi')})."]
+    rows = [["CUDA-aware MPI", str(d.get("cuda_aware_mpi")), ""]]
+    for k, v in d.items():
+        if k.startswith("reduce_bcast") and isinstance(v, dict):
+            rows.append([k, "ok" if v.get("ok") else "**WRONG**", f"{num(v.get('seconds'), 3)} s"])
+    for k in ("fsa_20_steps_cuda_s", "fsa_20_steps_cpu_s"):
+        if k in d:
+            rows.append([k, "", f"{num(d[k])} s"])
+    if "fsa_gpu_matches_cpu" in d:
+        rows.append(
+            [
+                "FSA on GPU matches CPU",
+                "yes" if d["fsa_gpu_matches_cpu"] else "**no**",
+                f"max abs diff {num(d.get('fsa_gpu_vs_cpu_max_abs_diff'))}",
+            ]
+        )
+    return table(["check", "result", "detail"], rows)
+
+
+def render_wan_time_to_accuracy(d: dict) -> list[str]:
+    acc, st, runs = d["acceptance"], d.get("settings", {}), d["runs"]
+    rows = []
+    for name, r in runs.items():
+        split = r.get("time_split") or {}
+        steps = r.get("steps") or 1
+        rows.append(
+            [
+                name,
+                num(r.get("time_to_target_s"), 1) if r.get("time_to_target_s") else "not reached",
+                num(r.get("final_test_acc"), 4),
+                num(r.get("wall_s"), 1),
+                num(r.get("wan_data_bytes", 0) / 1e6, 2) if "wan_data_bytes" in r else "",
+                num(1e3 * split["compute_s"] / steps, 1) if split else "",
+                num(1e3 * split["wan_wait_s"] / steps, 1) if split else "",
+            ]
+        )
+    out = table(
+        [
+            "run",
+            f"s to {st.get('target_test_acc')} acc",
+            "final acc",
+            "wall s",
+            "WAN data MB",
+            "compute ms/step",
+            "WAN ms/step",
+        ],
+        rows,
+    )
+    cut = acc.get("topk_data_bytes_cut_per_sync", {})
+    checks = [
+        ["one FSA sync / one step's compute", acc.get("fsa_sync_over_step_compute"), ">= 10"],
+        ["HFA speedup to target over FSA", acc.get("hfa_speedup_to_target"), ">= 5"],
+        ["HFA ideal speedup", acc.get("hfa_ideal_speedup"), ""],
+        ["HFA measured / ideal", acc.get("hfa_measured_over_ideal"), ">= 0.7"],
+        ["HFA - FSA final accuracy", acc.get("hfa_minus_fsa_final_acc"), ">= -0.01"],
+        *[[f"top-k 1% WAN data cut per sync, {a}", v, ">= 30"] for a, v in cut.items()],
+        ["DDP / FSA time to target", acc.get("ddp_over_fsa_time_to_target"), ""],
+    ]
+    out.append("")
+    out += table(
+        ["figure", "value", "goal", "met"],
+        [[k, num(v), g, meets(v, g)] for k, v, g in checks if v is not None or g],
+    )
+    flags = {
+        k: v
+        for k, v in acc.items()
+        if isinstance(v, bool) or (isinstance(v, dict) and k == "topk_reached_target")
+    }
+    out.append("")
+    out.append("Checks: " + ", ".join(f"{k} {v}" for k, v in flags.items()) + ".")
+    out.append("")
+    out.append(
+        f"{st.get('ranks')} ranks ({st.get('topology', {}).get('workers')} workers in "
+        f"{len(st.get('topology', {}).get('dc_sizes', []))} datacenters), {st.get('model')} on "
+        f"{st.get('dataset')}, {st.get('steps')} steps, emulated WAN {st.get('wan_link')}, "
+        f"HFA K1={st.get('hfa', {}).get('k1')} K2={st.get('hfa', {}).get('k2')}, top-k "
+        f"{st.get('topk')}. "
+        "Plot: `bench/results/wan_time_to_accuracy.png`."
+    )
+    return out
+
+
+def render_gs_bytes(d: dict) -> list[str]:
+    per, acc, st = d["bytes_per_step"], d["acceptance"], d.get("settings", {})
+    sizes = sorted({w for f in per.values() for w in f}, key=int)
+    rows = [
+        [algo, *(num(f.get(w), 0) for w in sizes), num(acc["max_over_min"][algo], 3)]
+        + ["<= 1.05", meets(acc["max_over_min"][algo], "<= 1.05")]
+        for algo, f in per.items()
+    ]
+    out = table(
+        ["algorithm", *(f"{w} workers/DC" for w in sizes), "max / min", "goal", "met"], rows
+    )
+    out.append("")
+    out.append(
+        f"Bytes the global server received per training step; {st.get('dcs')} datacenters, "
+        f"{st.get('ranks')} ranks, model {st.get('model')}. {st.get('note', '')}"
+    )
+    return out
+
+
+def render_generic(d: dict) -> list[str]:
+    skip = {"benchmark", "command"}
+    rows = [
+        [k, num(v)]
+        for k, v in d.items()
+        if k not in skip and isinstance(v, (int, float, str, bool))
+    ]
+    return table(["key", "value"], rows) if rows else ["(no scalar figures)"]
+
+
+RENDERERS = {
+    "throughput": render_throughput,
+    "sync_overhead": render_sync_overhead,
+    "mixed_slowdown": render_mixed_slowdown,
+    "checkpoint": render_checkpoint,
+    "gpu_check": render_gpu_check,
+    "gs_bytes": render_gs_bytes,
+    "wan_time_to_accuracy": render_wan_time_to_accuracy,
+}
+TITLES = {
+    "throughput": "Training throughput: geompi against torch DDP and HierarchicalModelAverager",
+    "sync_overhead": "FSA synchronization round against MPI Allreduce and gloo all_reduce",
+    "mixed_slowdown": "MixedSync against FSA with one datacenter slowed down",
+    "checkpoint": "Checkpoint save/load: geompi.ckpt (HDF5) against torch.save",
+    "gpu_check": "GPU path (CUDA tensors through MPI, FSA on the GPU)",
+    "gs_bytes": "Bytes into the global server per step as datacenters grow",
+    "wan_time_to_accuracy": "Time to accuracy under an emulated WAN (100 Mbit/s, 25 ms)",
+    "soak": "Soak: MixedSync + DCASGD for a fixed wall time, watching for leaks",
+}
+
+
+# ---- the document ------------------------------------------------------------------------------
+def load_results(results: pathlib.Path) -> tuple[dict[str, tuple[dict, float]], list[str]]:
+    """{name: (data, mtime)} for every readable results JSON, and the unreadable files."""
+    found, bad = {}, []
+    for path in sorted(results.glob("*.json")):
+        if path.stem == "run_all":
+            continue
+        try:
+            data = json.loads(path.read_text())
+            if not isinstance(data, dict):
+                raise ValueError("not a JSON object")
+        except (OSError, ValueError) as e:
+            bad.append(f"{path.name} ({type(e).__name__})")
+            continue
+        found[path.stem] = (data, path.stat().st_mtime)
+    return found, bad
+
+
+def machine_lines(found: dict[str, tuple[dict, float]]) -> list[str]:
+    datas = [d for d, _ in found.values()]
+    mpi = next((d["mpi"] for d in datas if isinstance(d.get("mpi"), str)), None)
+    torch_v = next((d["torch"] for d in datas if isinstance(d.get("torch"), str)), None)
+    ckpt = found.get("checkpoint", ({}, 0))[0].get("machine", {})
+    torch_v = torch_v or ckpt.get("torch")
+    cpus = next((d["cpus"] for d in datas if isinstance(d.get("cpus"), int)), None)
+    cpus = cpus or ckpt.get("cpus") or os.cpu_count()
+    parts = [
+        f"nproc {cpus}",
+        f"MPI: {mpi.split(',')[0].strip()}" if mpi else "MPI: not recorded",
+        f"torch {torch_v}" if torch_v else None,
+        f"Python {ckpt.get('python') or platform.python_version()}",
+        ckpt.get("platform") or platform.platform(),
+    ]
+    return ["Machine: " + ", ".join(p for p in parts if p) + "."]
+
+
+def run_status_lines(results: pathlib.Path) -> list[str]:
+    try:
+        rec = json.loads((results / "run_all.json").read_text())
+        runs = rec["runs"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    rows = [
+        [n, r.get("status", "?"), num(r.get("seconds"), 1), r.get("finished", "")]
+        for n, r in runs.items()
+        if isinstance(r, dict)
+    ]
+    if not rows:
+        return []
+    return [
+        "## Last `bench/run_all.py`",
+        "",
+        *table(["benchmark", "status", "seconds", "finished"], rows),
+    ]
+
+
+def build(results: pathlib.Path) -> str:
+    found, bad = load_results(results)
+    now = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
+    lines = [
+        "# Benchmark results",
+        "",
+        f"Generated {now} by `python bench/make_table.py` from `bench/results/*.json`.",
+        *machine_lines(found),
+        "",
+    ]
+    if not found:
+        lines += ["No results yet: run `make bench` (or `python bench/run_all.py`).", ""]
+    names = [n for n in ORDER if n in found] + sorted(n for n in found if n not in ORDER)
+    for name in names:
+        data, mtime = found[name]
+        when = datetime.datetime.fromtimestamp(mtime).astimezone().strftime("%Y-%m-%d %H:%M %Z")
+        lines.append(f"## {TITLES.get(name, name)}")
+        lines.append("")
+        cmd = script_command(name)
+        ran = data.get("command") if isinstance(data.get("command"), str) else None
+        lines.append(
+            (f"`{cmd}`" if cmd else f"(no command in bench/{name}.py)")
+            + (f" (this run: `{ran}`)" if ran and ran != cmd else "")
+            + f", measured {when}."
+        )
+        lines.append("")
+        try:
+            lines += RENDERERS.get(name, render_generic)(data)
+        except (KeyError, TypeError, ValueError, ZeroDivisionError, AttributeError) as e:
+            lines.append(f"(unexpected layout, {type(e).__name__}: {e}; all top-level figures:)")
+            lines.append("")
+            lines += render_generic(data)
+        lines.append("")
+    if bad:
+        lines += ["Unreadable result files: " + ", ".join(bad) + ".", ""]
+    status = run_status_lines(results)
+    if status:
+        lines += [*status, ""]
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--results", default=str(BENCH / "results"))
+    ap.add_argument("--out", default=None, help="default: RESULTS/README.md")
+    args = ap.parse_args(argv)
+    results = pathlib.Path(args.results)
+    text = build(results)
+    out = pathlib.Path(args.out) if args.out else results / "README.md"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    print(text, end="", flush=True)
+    print(f"(wrote {out})", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

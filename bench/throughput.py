@@ -1,0 +1,313 @@
+"""Training throughput (samples/s) of geompi against torch's own tools, side by side in one job.
+
+    mpirun -n 16 python bench/throughput.py [--steps 160] [--warmup 16] [--reps 3]
+
+Same model (``cnn``), data (``digits``, each worker on its geompi shard through ShardLoader),
+per-worker batch (16), step count and 12 training processes on both sides, 1 torch thread per
+process. geompi uses its default 16-rank topology (3 datacenters of 4 workers + 1 local server,
+1 global server); torch gets the same 12 worker ranks in a gloo process group while the 4 server
+ranks wait in an MPI barrier (polling with sleeps, so they take no CPU from torch).
+
+  (a) geompi FSA   against torch DistributedDataParallel (gloo), SGD lr 0.05 momentum 0.9;
+  (b) geompi HFA (k1=4, k2=4) against torch HierarchicalModelAverager({4: 4, 16: 12}) over
+      local SGD with the same optimizer.
+
+Each pair runs --reps times, interleaved (the order alternates between repetitions), after one
+short warm-up of every side; the median is reported. geompi's figure is its summary's
+samples / train_s (the training loop, after start-up), torch's the same loop timed on rank 0.
+As a check that both sides do the same training, the parameters after the warm-up are compared
+(they agree to rounding), and the test accuracy after the first timed run is recorded.
+On a small shared machine the figures swing by up to 2x from run to run: the JSON keeps every
+run, the CPU seconds each side used, and how much of the machine other processes took meanwhile.
+Writes bench/results/throughput.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import pathlib
+import socket
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from mpi4py import MPI
+from torch.distributed.algorithms.model_averaging.hierarchical_model_averager import (
+    HierarchicalModelAverager,
+)
+from torch.nn.parallel import DistributedDataParallel
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from a checkout
+
+from geompi.comm.topology import Role, Topology, build_communicators  # noqa: E402
+from geompi.config import make_config  # noqa: E402
+from geompi.data import ShardLoader, evaluate, load_dataset, shard_indices  # noqa: E402
+from geompi.models import build_model  # noqa: E402
+from geompi.train import train  # noqa: E402
+
+p = argparse.ArgumentParser()
+p.add_argument("--steps", type=int, default=160, help="timed steps (a multiple of k1*k2 = 16)")
+p.add_argument("--warmup", type=int, default=16, help="steps of the one warm-up of each side")
+p.add_argument("--reps", type=int, default=3)
+p.add_argument("--batch-size", type=int, default=16)
+p.add_argument("--k1", type=int, default=4)
+p.add_argument("--k2", type=int, default=4)
+p.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results/throughput.json"))
+args = p.parse_args()
+period = args.k1 * args.k2
+if args.steps % period or args.warmup % period:
+    p.error(f"--steps and --warmup must be multiples of k1*k2 = {period} (HFA rounds up)")
+
+torch.set_num_threads(1)
+LR, MOMENTUM, SEED = 0.05, 0.9, 0
+world = MPI.COMM_WORLD
+rank = world.Get_rank()
+topo = Topology.plan(world.Get_size())
+comms = build_communicators(topo, world)
+role = topo.role(rank)
+workers_per_dc = len(topo.workers(0))
+if any(len(topo.workers(d)) != workers_per_dc for d in range(topo.num_dcs)):
+    raise SystemExit("throughput: HierarchicalModelAverager needs equal datacenters")
+
+
+def idle_barrier(comm) -> None:
+    """A barrier that sleeps while it waits, so waiting ranks leave the CPU to the others."""
+    req = comm.Ibarrier()
+    while not req.Test():
+        time.sleep(0.002)
+
+
+def run_geompi(sync: str, steps: int) -> dict | None:
+    """One geompi training run on every rank; rank 0 gets the summary."""
+    extra = {"k1": args.k1, "k2": args.k2} if sync == "hfa" else {}
+    cfg = make_config(
+        env={},
+        sync=sync,
+        steps=steps,
+        batch_size=args.batch_size,
+        model="cnn",
+        dataset="digits",
+        seed=SEED,
+        lr=LR,
+        momentum=MOMENTUM,
+        progress_every=1e9,
+        **extra,
+    )
+    with contextlib.redirect_stdout(io.StringIO()):  # the topology table, printed once below
+        return train(cfg)
+
+
+if role is Role.WORKER:
+    widx = topo.worker_index(rank)
+    ds = load_dataset("digits")
+    shard = shard_indices(len(ds.y_train), topo.num_workers, widx, seed=SEED, name=ds.name)
+    port = None
+    if widx == 0:  # a free port for gloo's rendezvous, told to the other workers over MPI
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+    port = comms.all_workers.bcast(port, root=0)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=widx, world_size=topo.num_workers
+    )
+    # {K1: workers per datacenter, K1*K2: every worker}: the datacenters are contiguous blocks
+    # of worker indices, as HierarchicalModelAverager's subgroups are.
+    averager = HierarchicalModelAverager({args.k1: workers_per_dc, period: topo.num_workers})
+
+
+def run_torch(kind: str, steps: int) -> tuple[float, dict]:
+    """``steps`` of DDP or of local SGD + HierarchicalModelAverager on a fresh model.
+
+    Returns (seconds of the loop on this rank, final parameters). Workers only.
+    """
+    torch.manual_seed(SEED)
+    model = build_model("cnn", ds.input_shape, ds.num_classes)
+    net = DistributedDataParallel(model) if kind == "ddp" else model
+    opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=MOMENTUM)
+    loader = ShardLoader(ds.x_train, ds.y_train, shard, args.batch_size, seed=SEED, shard=widx)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    averager.step = 1  # otherwise it averages on its first call (step 0 divides every period)
+    comms.all_workers.Barrier()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        x, y = loader.next_batch()
+        opt.zero_grad(set_to_none=True)
+        loss_fn(net(x), y).backward()
+        opt.step()
+        if kind == "averager":
+            averager.average_parameters(net.parameters())
+    dt = time.perf_counter() - t0
+    return dt, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def torch_phase(kind: str, steps: int) -> tuple[float, dict] | None:
+    """Every rank: workers run torch, servers wait; rank 0 gets (seconds, parameters)."""
+    out = run_torch(kind, steps) if role is Role.WORKER else None
+    idle_barrier(world)
+    return out if rank == 0 else None
+
+
+def cpu_by_role(fn, *a):
+    """Run fn(*a) on every rank; rank 0 also gets the CPU seconds (all threads) it took on the
+    workers and on the servers together: (result, {"workers": s, "servers": s})."""
+    c0 = time.process_time()
+    r = fn(*a)
+    spent = world.gather((role is Role.WORKER, time.process_time() - c0), root=0)
+    if rank != 0:
+        return r, None
+    return r, {
+        "workers": sum(c for w, c in spent if w),
+        "servers": sum(c for w, c in spent if not w),
+    }
+
+
+def machine_cpu() -> tuple[float, float] | None:
+    """(busy, idle) CPU seconds of the whole machine so far, from /proc/stat (Linux)."""
+    try:
+        with open("/proc/stat") as f:
+            user, nice, system, idle, iowait, irq, softirq = map(int, f.readline().split()[1:8])
+    except (OSError, ValueError):
+        return None
+    hz = os.sysconf("SC_CLK_TCK")
+    return (user + nice + system + irq + softirq) / hz, (idle + iowait) / hz
+
+
+def max_diff(a: dict, b: dict) -> float:
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+if rank == 0:
+    print(topo.table(), flush=True)
+    print(
+        f"throughput: {topo.num_workers} workers, batch {args.batch_size}, {args.steps} steps, "
+        f"{args.reps} reps, warm-up {args.warmup} steps",
+        flush=True,
+    )
+
+# One warm-up of every side: first-use costs (allocations, connections, autograd) out of the way.
+# It also checks that both sides do the same training: after these few steps the parameters agree
+# to rounding. (Not after the timed runs: this training is chaotic, and a 1e-8 perturbation of the
+# initial weights grows to about 1e-2 in 100 steps, so the sides drift apart to that order.)
+warm = {
+    "fsa": run_geompi("fsa", args.warmup),
+    "ddp": torch_phase("ddp", args.warmup),
+    "hfa": run_geompi("hfa", args.warmup),
+    "averager": torch_phase("averager", args.warmup),
+}
+if rank == 0:
+    same = {
+        f"{g}_vs_{t}_max_abs_diff": max_diff(warm[g]["model"], warm[t][1])
+        for g, t in (("fsa", "ddp"), ("hfa", "averager"))
+    }
+
+pairs = {"fsa": ("geompi_fsa", "ddp", "torch_ddp"), "hfa": ("geompi_hfa", "averager", "torch_avg")}
+rates: dict[str, list[float]] = {name: [] for v in pairs.values() for name in (v[0], v[2])}
+acc: dict[str, float] = {}
+cpu_s = {name: {"workers": [], "servers": []} for name in rates}
+samples = args.steps * args.batch_size * topo.num_workers
+idle_barrier(world)
+machine0, job0 = machine_cpu(), time.process_time()
+for rep in range(args.reps):
+    for sync, (gname, kind, tname) in pairs.items():
+        order = ("geompi", "torch") if rep % 2 == 0 else ("torch", "geompi")
+        res, cpu = {}, {}
+        for side in order:
+            if side == "geompi":
+                res[side], cpu[gname] = cpu_by_role(run_geompi, sync, args.steps)
+            else:
+                res[side], cpu[tname] = cpu_by_role(torch_phase, kind, args.steps)
+        if rank == 0:
+            for name, c in cpu.items():
+                for who in ("workers", "servers"):
+                    cpu_s[name][who].append(c[who])
+            g, (t_s, t_model) = res["geompi"], res["torch"]
+            assert g["samples"] == samples, (g["samples"], samples)
+            rates[gname].append(g["samples"] / g["train_s"])
+            rates[tname].append(samples / t_s)
+            if rep == 0:
+                acc[gname] = g["test_acc"]
+                model = build_model("cnn", ds.input_shape, ds.num_classes)
+                model.load_state_dict(t_model)
+                acc[tname] = evaluate(model, ds.x_test, ds.y_test)[0]
+            print(
+                f"rep {rep}: {gname} {rates[gname][-1]:.0f} samples/s, "
+                f"{tname} {rates[tname][-1]:.0f} samples/s",
+                flush=True,
+            )
+
+idle_barrier(world)
+machine1 = machine_cpu()
+job_cpu = world.reduce(time.process_time() - job0, root=0)
+if role is Role.WORKER:
+    dist.destroy_process_group()
+comms.free()
+if rank == 0:
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    ratio = {
+        "fsa_vs_ddp": med["geompi_fsa"] / med["torch_ddp"],
+        "hfa_vs_averager": med["geompi_hfa"] / med["torch_avg"],
+    }
+    out = {
+        "benchmark": "throughput",
+        "ranks": world.Get_size(),
+        "workers": topo.num_workers,
+        "topology": topo.describe(),
+        "model": "cnn",
+        "dataset": "digits",
+        "batch_size": args.batch_size,
+        "steps": args.steps,
+        "warmup_steps": args.warmup,
+        "reps": args.reps,
+        "hfa": {"k1": args.k1, "k2": args.k2},
+        "averager_periods": {str(args.k1): workers_per_dc, str(period): topo.num_workers},
+        "optimizer": {"name": "sgd", "lr": LR, "momentum": MOMENTUM},
+        "torch_threads": torch.get_num_threads(),
+        "samples_per_s": med,
+        "all_samples_per_s": rates,
+        # CPU seconds (all threads) per run, summed over the worker and over the server ranks:
+        # geompi's whole train() call (its start-up included), torch's timed loop + barrier.
+        "cpu_s_median": {
+            k: {who: statistics.median(v[who]) for who in v} for k, v in cpu_s.items()
+        },
+        "ratio": ratio,
+        "goals": {"fsa_vs_ddp": ">= 1.0", "hfa_vs_averager": ">= 1.0"},
+        "same_training": {
+            "after_steps": args.warmup,
+            **same,
+            "test_acc_first_rep": acc,
+        },
+        "mpi": MPI.Get_library_version().splitlines()[0].rstrip("\x00"),
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        # Other processes on the machine skew every figure: the CPU seconds the machine had,
+        # used in all, and used by this job's ranks, over the timed runs (from /proc/stat).
+        "machine_cpu_s": None
+        if machine0 is None or machine1 is None
+        else {
+            "available": sum(machine1) - sum(machine0),
+            "busy": machine1[0] - machine0[0],
+            "this_job": job_cpu,
+            "others": max(0.0, machine1[0] - machine0[0] - job_cpu),
+        },
+    }
+    pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    pathlib.Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    print(f"{'':<10}{'geompi samples/s':>18}{'torch samples/s':>17}{'ratio':>8}{'goal':>8}")
+    for label, g, t, r in (
+        ("FSA/DDP", "geompi_fsa", "torch_ddp", "fsa_vs_ddp"),
+        ("HFA/avg", "geompi_hfa", "torch_avg", "hfa_vs_averager"),
+    ):
+        print(f"{label:<10}{med[g]:>18.0f}{med[t]:>17.0f}{ratio[r]:>8.2f}{'>= 1.0':>8}")
+    print(
+        f"same training: max |geompi - torch| after {args.warmup} steps: FSA/DDP "
+        f"{same['fsa_vs_ddp_max_abs_diff']:.2e}, HFA/averager "
+        f"{same['hfa_vs_averager_max_abs_diff']:.2e}; test accuracy after {args.steps}: "
+        + ", ".join(f"{k} {v:.4f}" for k, v in acc.items())
+    )
+    print(f"wrote {args.out}")
