@@ -5,6 +5,7 @@ import time
 import pytest
 import torch
 
+from geompi.comm.buffers import all_finite
 from geompi.comm.compression import ErrorFeedback, TopKCompressor, make_compressor
 from geompi.comm.linkmodel import Channel, LinkModel, parse_duration, parse_rate
 from geompi.config import make_config
@@ -167,3 +168,18 @@ def test_hfa_push_keeps_what_compression_left_out_in_the_model():
     assert torch.equal(ls.replica["k"], sent)
     # ... and the datacenter's model is its own again, not the sparse replica
     assert torch.allclose(out, params)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_all_finite_finds_one_bad_element(bad):
+    t = torch.randn(100_003)
+    assert all_finite(t)
+    t[77_777] = bad
+    assert not all_finite(t)
+
+
+def test_all_finite_is_exact_when_the_sum_overflows():
+    t = torch.full((1000,), 3e38)  # finite values whose sum is inf
+    assert not bool(torch.isfinite(t.sum())) and all_finite(t)
+    t[0], t[1] = float("inf"), -float("inf")  # their sum is NaN, the check must still fail
+    assert not all_finite(t)

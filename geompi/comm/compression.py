@@ -14,6 +14,7 @@ import math
 
 import torch
 
+from geompi.comm.buffers import all_finite
 from geompi.errors import ConfigError
 
 
@@ -129,7 +130,7 @@ class ErrorFeedback:
         if not c.lossy:
             return c.compress(x)
         r = self.residual.get(key)
-        if not bool(torch.isfinite(x).all()):
+        if not all_finite(x):
             return c.compress(torch.zeros_like(x))
         v = x.float().clone() if r is None else r.add_(x)
         payload = c.compress(v)
