@@ -11,6 +11,7 @@ from geompi.comm.transport import WAN, Link, LinkStats, Requests
 from geompi.ps.optim import ServerOptimizer, outer_step, spec_from_dict
 from geompi.ps.protocol import (
     FLAG_SUM,
+    FLAG_WEIGHT_FINAL,
     TAG_DATA,
     TAG_HEADER,
     TAG_RESTORE,
@@ -51,6 +52,7 @@ class GlobalServer:
         self.outer_state: dict[int, dict[str, torch.Tensor]] = {}
         self.updates = 0
         self.codec = codec  # compression of the global tier's data rounds (geompi.ps.wan)
+        self._recv_bufs: dict[tuple[int, int], torch.Tensor] = {}
 
     def configure(self, spec: dict) -> None:
         """Apply a spec from the master worker: the optimizer and, for HFA, the outer one."""
@@ -93,28 +95,34 @@ class GlobalServer:
         self._keep: list[torch.Tensor] = []  # payloads alive until their sends complete
         compressed = self.codec is not None and rnd.op in (Op.GRAD, Op.AVG)
         sizes = [self._slice_len(n) for _, n in rnd.keys]
-        if compressed:
-            incoming = [[self._payload(m) for m in sizes] for _ in range(d)]
-        else:
-            incoming = [[torch.empty(m, dtype=torch.float32) for m in sizes] for _ in range(d)]
+        alloc = self._payload if compressed else None
+        incoming = [
+            [alloc(m) if alloc else self._incoming(ls, i, m) for i, m in enumerate(sizes)]
+            for ls in range(d)
+        ]
+        per_key = [Requests(self.stats, self.timeout, "the local servers") for _ in sizes]
         trailers = torch.zeros(d, dtype=torch.float64)
         for ls in range(d):
             for i, buf in enumerate(incoming[ls]):
                 if sizes[i]:
-                    self.link.irecv(reqs, buf, ls, TAG_DATA + i)
+                    self.link.irecv(per_key[i], buf, ls, TAG_DATA + i)
             self.link.irecv(reqs, trailers[ls : ls + 1], ls, TAG_TRAILER)
-        reqs.wait()
-        if compressed:
-            incoming = [
-                [self.codec.decode_push(p, m) for p, m in zip(row, sizes)] for row in incoming
-            ]
+        if rnd.flags & FLAG_WEIGHT_FINAL:  # each key goes on as soon as it arrived
+            weights = torch.tensor([Round.decode(h).weight for h in headers], dtype=torch.float64)
+        else:  # a local server may still skip the round (weight 0): wait for every trailer
+            reqs.wait()
+            weights = trailers
         # A gradient from a datacenter that skipped a non-finite round (weight 0) is left out.
-        used = [ls for ls in range(d) if rnd.op is not Op.GRAD or trailers[ls] > 0]
-        weight = float(trailers[used].sum()) if used else 0.0
+        used = [ls for ls in range(d) if rnd.op is not Op.GRAD or weights[ls] > 0]
+        weight = float(weights[used].sum()) if used else 0.0
         for i, (key, _) in enumerate(rnd.keys):
-            total = incoming[used[0]][i] if used else torch.zeros_like(incoming[0][i])
-            for ls in used[1:]:
-                total.add_(incoming[ls][i])
+            per_key[i].wait()
+            row = [incoming[ls][i] for ls in used]
+            if compressed:
+                row = [self.codec.decode_push(p, sizes[i]) for p in row]
+            total = row[0] if row else torch.zeros(sizes[i], dtype=torch.float32)
+            for other in row[1:]:
+                total.add_(other)
             if compressed and rnd.op is Op.AVG:  # the pushes were relative to the replica
                 total.add_(self.codec.reference(key, sizes[i]), alpha=weight)
             if used or key not in self.values:
@@ -129,6 +137,7 @@ class GlobalServer:
                 self.codec.set_replica(key, result)
             for ls in range(d):
                 self.link.isend(reqs, result, ls, TAG_RESULT + i)
+            reqs.test()
         if self._restore is not None:
             self.restore(self._restore)
             self._restore = None
@@ -182,6 +191,14 @@ class GlobalServer:
     def _slice_len(self, numel: int) -> int:
         lo, hi = self.topo.shard_bounds(numel, self.index)
         return hi - lo
+
+    def _incoming(self, ls: int, i: int, n: int) -> torch.Tensor:
+        """A reused receive buffer for local server ``ls``'s key ``i``: a fresh 25 MB buffer per
+        round costs its page faults every round (bench/sync_overhead.py)."""
+        b = self._recv_bufs.get((ls, i))
+        if b is None or b.numel() != n:
+            b = self._recv_bufs[(ls, i)] = torch.empty(n, dtype=torch.float32)
+        return b
 
     def _payload(self, n: int) -> torch.Tensor:
         return torch.empty(self.codec.nbytes(n), dtype=torch.uint8)

@@ -8,12 +8,14 @@ from functools import partial
 
 import torch
 
+from geompi.comm.buffers import all_finite
 from geompi.comm.linkmodel import Duplex, LinkModel
 from geompi.comm.topology import Communicators, Topology
 from geompi.comm.transport import LAN, WAN, Link, LinkStats, Requests
 from geompi.errors import NonFiniteError
 from geompi.ps.protocol import (
     FLAG_GLOBAL,
+    FLAG_WEIGHT_FINAL,
     TAG_DATA,
     TAG_HEADER,
     TAG_RESULT,
@@ -92,7 +94,7 @@ class SyncUplink:
         self.rnd = rnd
         self.sends = self._requests()
         hdr = wire_header(
-            Round(rnd.op, rnd.round_id, rnd.keys, 0.0, len(spec or b""), rnd.flags).encode()
+            Round(rnd.op, rnd.round_id, rnd.keys, rnd.weight, len(spec or b""), rnd.flags).encode()
         )
         spec_t = torch.frombuffer(bytearray(spec), dtype=torch.uint8) if spec else None
         self._keep = [hdr] if spec_t is None else [hdr, spec_t]  # alive until sent
@@ -240,6 +242,8 @@ class LocalServer:
         up_index = {i: u for u, i in enumerate(sorted(due))}
         if due:
             flags = rnd.flags | (FLAG_GLOBAL if rnd.op is Op.AVG else 0)
+            if self.on_nonfinite != "skip" or rnd.op is not Op.GRAD:
+                flags |= FLAG_WEIGHT_FINAL  # a non-finite sum raises: the weight stays
             self.uplink.begin(
                 Round(rnd.op, rnd.round_id, [rnd.keys[i] for i in sorted(due)], weight, 0, flags),
                 spec,
@@ -250,7 +254,7 @@ class LocalServer:
             total.copy_(per_worker[0])
             for buf in per_worker[1:]:
                 total.add_(buf)
-            if rnd.op in (Op.GRAD, Op.AVG) and not bool(torch.isfinite(total).all()):
+            if rnd.op in (Op.GRAD, Op.AVG) and not all_finite(total):
                 weight = self._nonfinite(rnd)  # raises, or 0: the global servers skip us
             if i in due:
                 self.uplink.send_key(up_index[i], total)

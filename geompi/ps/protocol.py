@@ -1,9 +1,11 @@
 """The round protocol shared by workers, local servers and global servers.
 
 A synchronous round starts with a fixed-size header that every worker sends to its local server
-(``Igather``), then one ``Ireduce`` per key (worker -> local server), then one ``Ibcast`` per key
-(local server -> workers). Headers must agree across workers: a mismatch is a ProtocolError, not a
-hang. The header is float64, so weights (sample counts, or 1/num_workers) travel exactly.
+(``Igather``), then one ``Isend`` per key (worker -> local server, which sums them), then one
+``Isend`` per key and worker (local server -> workers). Between the local and the global servers
+the round is a header, the keys and a trailer with the final weight. Headers must agree across
+workers: a mismatch is a ProtocolError, not a hang. The header is float64, so weights (sample
+counts, or 1/num_workers) travel exactly.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ class Op(enum.IntEnum):
 
 FLAG_SUM = 1  # GRAD: apply the optimizer to the plain sum (KVStore semantics), not the mean
 FLAG_GLOBAL = 2  # AVG: set by the local server when this round goes to the global tier
+# Set by a local server whose header weight is already final (it cannot skip the round): the
+# global servers then answer each key as soon as it arrived instead of waiting for the trailers.
+FLAG_WEIGHT_FINAL = 4
 
 MAX_KEYS = 256
 _FIXED = 7  # op, round, weight, nkeys, spec_len, flags, step
