@@ -151,13 +151,16 @@ def render_throughput(d: dict) -> list[str]:
 
 def render_sync_overhead(d: dict) -> list[str]:
     med, ratio = d["median_s"], d["ratio"]
+    raw = "raw_two_tier" in med  # results from before the raw two-tier comparison lack it
     rows = [
         [
             size,
             num(med["geompi"][size], 4),
+            *([num(med["raw_two_tier"][size], 4)] if raw else []),
             num(med["mpi_allreduce"][size], 4),
             num(med["gloo_allreduce"][size], 4),
             num(r["vs_mpi_allreduce"]),
+            *([num(r["vs_raw_two_tier"]), num(r["raw_two_tier_vs_mpi_allreduce"])] if raw else []),
             num(r["vs_gloo_allreduce"]),
         ]
         for size, r in ratio.items()
@@ -166,9 +169,11 @@ def render_sync_overhead(d: dict) -> list[str]:
         [
             "buffer",
             "geompi push+pull s",
+            *(["raw two-tier s"] if raw else []),
             "MPI Allreduce s",
             "gloo all_reduce s",
             "geompi / MPI",
+            *(["geompi / raw two-tier", "raw two-tier / MPI"] if raw else []),
             "geompi / gloo",
         ],
         rows,

@@ -2,6 +2,11 @@
 ``MPI.Allreduce`` (and torch.distributed's gloo all_reduce) of the same buffer across the same
 worker ranks. Run side by side in one job, interleaved, and reported as ratios.
 
+A third comparison, ``raw_two_tier``, moves the same buckets along the same path as geompi
+(workers -> local server -> global server(s) and back) in plain mpi4py on numpy arrays, with a
+sum at each server and an SGD step at the global one. geompi / raw_two_tier is the cost of
+geompi's own code; raw_two_tier / Allreduce is the cost of the two-tier design on this machine.
+
     mpirun -n 16 python bench/sync_overhead.py [--sizes 1,25,100] [--reps 5]
 
 Writes bench/results/sync_overhead.json.
@@ -16,6 +21,7 @@ import pathlib
 import statistics
 import time
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from mpi4py import MPI
@@ -71,7 +77,57 @@ else:
     server = make_server("fsa", topo, comms, stats)
     server.serve_round()  # INIT
 
-results = {"geompi": {}, "mpi_allreduce": {}, "gloo_allreduce": {}}
+
+def raw_two_tier(sizes: list[int], bufs: dict) -> None:
+    """One round of the same buckets along geompi's path, in plain mpi4py (see the docstring)."""
+    if role is Role.WORKER:
+        out = bufs.setdefault("w", [np.ones(n, np.float32) for n in sizes])
+        reqs = [comms.dc.Isend(b, 0, i) for i, b in enumerate(out)]
+        reqs += [comms.dc.Irecv(b, 0, 1000 + i) for i, b in enumerate(out)]
+        MPI.Request.Waitall(reqs)
+    elif role is Role.LOCAL_SERVER:
+        nw, gs = comms.dc.Get_size() - 1, range(topo.num_dcs, comms.glob.Get_size())
+        per = bufs.setdefault("ls", [[np.empty(n, np.float32) for _ in range(nw)] for n in sizes])
+        tot = bufs.setdefault("lst", [np.empty(n, np.float32) for n in sizes])
+        recv = [[comms.dc.Irecv(b, 1 + j, i) for j, b in enumerate(p)] for i, p in enumerate(per)]
+        sends, back = [], []
+        for i, (p, t) in enumerate(zip(per, tot)):
+            MPI.Request.Waitall(recv[i])
+            np.add(p[0], p[1], out=t) if nw > 1 else np.copyto(t, p[0])
+            for b in p[2:]:
+                np.add(t, b, out=t)
+            for g, r in enumerate(gs):
+                lo, hi = topo.shard_bounds(t.size, g)
+                sends.append(comms.glob.Isend(t[lo:hi], r, i))
+                back.append(comms.glob.Irecv(t[lo:hi], r, 1000 + i))
+        MPI.Request.Waitall(sends)
+        for i, t in enumerate(tot):
+            MPI.Request.Waitall(back[len(gs) * i : len(gs) * (i + 1)])
+            sends += [comms.dc.Isend(t, 1 + j, 1000 + i) for j in range(nw)]
+        MPI.Request.Waitall(sends)
+    else:
+        nd, g = topo.num_dcs, comms.glob.Get_rank() - topo.num_dcs
+        shard = [topo.shard_bounds(n, g) for n in sizes]
+        per = bufs.setdefault(
+            "gs", [[np.empty(hi - lo, np.float32) for _ in range(nd)] for lo, hi in shard]
+        )
+        par = bufs.setdefault("gsp", [np.ones(hi - lo, np.float32) for lo, hi in shard])
+        tot = bufs.setdefault("gst", [np.empty(hi - lo, np.float32) for lo, hi in shard])
+        recv = [[comms.glob.Irecv(b, d, i) for d, b in enumerate(p)] for i, p in enumerate(per)]
+        sends = []
+        for i, (p, t, w) in enumerate(zip(per, tot, par)):
+            MPI.Request.Waitall(recv[i])
+            np.add(p[0], p[1], out=t) if nd > 1 else np.copyto(t, p[0])
+            for b in p[2:]:
+                np.add(t, b, out=t)
+            t *= -1e-9 / topo.num_workers  # SGD: w -= lr * mean gradient
+            w += t
+            sends += [comms.glob.Isend(w, d, 1000 + i) for d in range(nd)]
+        MPI.Request.Waitall(sends)
+
+
+raw_bufs: list[dict] = [{} for _ in groups]
+results = {"geompi": {}, "raw_two_tier": {}, "mpi_allreduce": {}, "gloo_allreduce": {}}
 for group, mb in zip(groups, sizes):
     times = {k: [] for k in results}
     for _ in range(args.reps):
@@ -88,6 +144,11 @@ for group, mb in zip(groups, sizes):
             server.serve_round()
         world.Barrier()
         times["geompi"].append(time.perf_counter() - t0)
+        world.Barrier()
+        t0 = time.perf_counter()
+        raw_two_tier([n for _, n in group], raw_bufs[groups.index(group)])
+        world.Barrier()
+        times["raw_two_tier"].append(time.perf_counter() - t0)
         if role is Role.WORKER:
             b = flat[: sum(n for _, n in group)]
             comms.all_workers.Barrier()
@@ -114,6 +175,9 @@ if rank == 0:
     ratios = {
         size: {
             "vs_mpi_allreduce": results["geompi"][size] / results["mpi_allreduce"][size],
+            "vs_raw_two_tier": results["geompi"][size] / results["raw_two_tier"][size],
+            "raw_two_tier_vs_mpi_allreduce": results["raw_two_tier"][size]
+            / results["mpi_allreduce"][size],
             "vs_gloo_allreduce": results["geompi"][size] / results["gloo_allreduce"][size],
         }
         for size in results["geompi"]
@@ -133,12 +197,13 @@ if rank == 0:
     pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     pathlib.Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
     print(
-        f"{'size':>8} {'geompi s':>10} {'Allreduce s':>12} {'gloo s':>10} {'ratio MPI':>10}"
-        f" {'ratio gloo':>11}"
+        f"{'size':>8} {'geompi s':>10} {'raw 2-tier s':>13} {'Allreduce s':>12} {'gloo s':>10}"
+        f" {'ratio MPI':>10} {'ratio raw':>10} {'ratio gloo':>11}"
     )
     for size, r in ratios.items():
         print(
-            f"{size:>8} {results['geompi'][size]:>10.4f} {results['mpi_allreduce'][size]:>12.4f}"
-            f" {results['gloo_allreduce'][size]:>10.4f} {r['vs_mpi_allreduce']:>10.2f}"
+            f"{size:>8} {results['geompi'][size]:>10.4f} {results['raw_two_tier'][size]:>13.4f}"
+            f" {results['mpi_allreduce'][size]:>12.4f} {results['gloo_allreduce'][size]:>10.4f}"
+            f" {r['vs_mpi_allreduce']:>10.2f} {r['vs_raw_two_tier']:>10.2f}"
             f" {r['vs_gloo_allreduce']:>11.2f}"
         )
