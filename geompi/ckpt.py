@@ -20,6 +20,7 @@ import sys
 import threading
 import zipfile
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -59,6 +60,8 @@ _CHUNK_BYTES = 4 << 20
 _DIRECT_MIN_BYTES = 256 << 10
 # The checksum sums blocks of 256 x 256 16-bit words (see _fletcher32_padded).
 _CK_BLOCK_BYTES = 2 * 256 * 256
+# One helper thread prepares (copies and checksums) the next chunk while the current one is written.
+_CHECKSUMS = ThreadPoolExecutor(1, thread_name_prefix="geompi-ckpt-checksum")
 # While writing, a helper thread starts an fsync after this many bytes.
 _FLUSH_BYTES = 64 << 20
 
@@ -364,13 +367,27 @@ def _write_chunks(
     split: int,
     flusher: _Flusher | None = None,
 ) -> None:
-    """Write `arr` chunk by chunk with our own fletcher32 (the filter is then marked applied)."""
-    chunk_bytes, padded, buf = _chunk_buffer(arr.shape, arr.itemsize, split, chunks[split])
+    """Write `arr` chunk by chunk with our own fletcher32 (the filter is then marked applied).
+
+    A helper thread copies and checksums chunk k+1 while this one writes chunk k (numpy and the
+    write release the GIL), with two buffers taking turns.
+    """
+    chunk_bytes, padded, first = _chunk_buffer(arr.shape, arr.itemsize, split, chunks[split])
+    bufs = [first, np.zeros_like(first)]
     flat = arr.reshape(-1).view(np.uint8)
-    for offset, begin, nbytes in _chunk_walk(arr.shape, arr.itemsize, split, chunks[split]):
+
+    def prepare(buf: np.ndarray, begin: int, nbytes: int) -> np.ndarray:
         buf[:nbytes] = flat[begin : begin + nbytes]
         buf[nbytes:padded] = 0  # the fill of a partial chunk, and the checksum's padding
         struct.pack_into("<I", buf, chunk_bytes, _fletcher32_padded(buf[:padded], chunk_bytes))
+        return buf
+
+    walk = list(_chunk_walk(arr.shape, arr.itemsize, split, chunks[split]))
+    pending = _CHECKSUMS.submit(prepare, bufs[0], walk[0][1], walk[0][2])
+    for k, (offset, _, _) in enumerate(walk):
+        buf = pending.result()
+        if k + 1 < len(walk):
+            pending = _CHECKSUMS.submit(prepare, bufs[(k + 1) % 2], walk[k + 1][1], walk[k + 1][2])
         ds.id.write_direct_chunk(offset, buf[: chunk_bytes + 4], 0)
         if flusher is not None:
             flusher.wrote(chunk_bytes)
