@@ -34,8 +34,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
 RESULTS = BENCH / "results"
 sys.path.insert(0, str(BENCH))
+sys.path.insert(0, str(ROOT))
 
 from make_table import script_command  # noqa: E402
+
+from geompi.runtime import LOCAL_OPENMPI_ENV  # noqa: E402
 
 # name: (ranks under mpirun, or None for a plain process; extra arguments; timeout in seconds;
 # whether it runs by default). Any other bench/*.py whose docstring has an ``mpirun -n N python
@@ -69,16 +72,7 @@ def discover() -> dict[str, tuple[int | None, list[str], float, bool]]:
     return found
 
 
-# The Makefile's single-machine Open MPI settings (see /work/shared/notes.md and the Makefile).
-LOCAL_MPI_ENV = {
-    "OMPI_ALLOW_RUN_AS_ROOT": "1",
-    "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-    "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe",
-    "OMPI_MCA_osc": "rdma",
-    "OMPI_MCA_pml": "ob1",
-    "OMPI_MCA_btl": "self,sm,tcp",
-    "OMPI_MCA_mpi_yield_when_idle": "1",
-}
+LOCAL_MPI_ENV = LOCAL_OPENMPI_ENV  # the Makefile's single-machine Open MPI settings
 
 
 def find_mpirun() -> str:

@@ -20,6 +20,19 @@ from geompi.errors import GeompiError
 
 PREFIX = "geompi: error: "
 
+# Open MPI settings for many ranks on one machine (the Makefile exports the same; the tests and
+# bench/run_all.py pass these): allow root, allow more ranks than cores, one-sided over rdma,
+# and let idle ranks yield the CPU. On a real cluster, use the site's own settings.
+LOCAL_OPENMPI_ENV = {
+    "OMPI_ALLOW_RUN_AS_ROOT": "1",
+    "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+    "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe",
+    "OMPI_MCA_osc": "rdma",
+    "OMPI_MCA_pml": "ob1",
+    "OMPI_MCA_btl": "self,sm,tcp",
+    "OMPI_MCA_mpi_yield_when_idle": "1",
+}
+
 
 def say(msg: str) -> None:
     """One line on stderr, flushed."""

@@ -13,21 +13,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+from geompi.runtime import LOCAL_OPENMPI_ENV
+
 REPO = Path(__file__).resolve().parent.parent
 PROGS = Path(__file__).resolve().parent / "progs"
 BIN = Path(sys.executable).parent
 
-MPI_ENV = {
-    "OMPI_ALLOW_RUN_AS_ROOT": "1",
-    "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-    "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe",
-    "OMPI_MCA_osc": "rdma",
-    "OMPI_MCA_pml": "ob1",
-    "OMPI_MCA_btl": "self,sm,tcp",
-    "OMPI_MCA_mpi_yield_when_idle": "1",
-    "OMP_NUM_THREADS": "1",
-    "PYTHONUNBUFFERED": "1",
-}
+MPI_ENV = {**LOCAL_OPENMPI_ENV, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
 def mpirun_path() -> str:
