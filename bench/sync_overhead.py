@@ -7,7 +7,7 @@ A third comparison, ``raw_two_tier``, moves the same buckets along the same path
 sum at each server and an SGD step at the global one. geompi / raw_two_tier is the cost of
 geompi's own code; raw_two_tier / Allreduce is the cost of the two-tier design on this machine.
 
-    mpirun -n 16 python bench/sync_overhead.py [--sizes 1,25,100] [--reps 5]
+    mpirun -n 16 python bench/sync_overhead.py [--sizes 1,25,100] [--reps 11]
 
 Writes bench/results/sync_overhead.json.
 """
@@ -35,7 +35,7 @@ from geompi.ps.servers import make_server
 
 p = argparse.ArgumentParser()
 p.add_argument("--sizes", default="1,25,100", help="MB, comma-separated")
-p.add_argument("--reps", type=int, default=5)
+p.add_argument("--reps", type=int, default=11)
 p.add_argument("--bucket-mb", type=float, default=4.0, help="FSA's buckets (--bucket-mb)")
 p.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results/sync_overhead.json"))
 args = p.parse_args()

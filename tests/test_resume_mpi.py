@@ -99,39 +99,18 @@ def test_resume_onto_another_topology_reshards(tmp_path):
 
 def test_mixedsync_resumes_and_reaches_accuracy(tmp_path):
     d = tmp_path / "ck"
-    train(
-        16,
-        "--sync",
-        "mixed",
-        "--optimizer",
-        "dcasgd",
-        "--model",
-        "cnn",
-        "--steps",
-        80,
-        "--checkpoint-dir",
-        d,
-        "--batch-size",
-        "16",
-        timeout=180,
-    )
+    args = ["--sync", "mixed", "--optimizer", "dcasgd", "--model", "cnn", "--batch-size", "16"]
+    train(16, *args, "--steps", 80, "--checkpoint-dir", d, timeout=180)
     metrics = tmp_path / "m.jsonl"
     res = train(
         16,
-        "--sync",
-        "mixed",
-        "--optimizer",
-        "dcasgd",
-        "--model",
-        "cnn",
+        *args,
         "--steps",
         210,
         "--checkpoint-dir",
         d,
         "--resume",
         "latest",
-        "--batch-size",
-        "16",
         "--metrics",
         metrics,
         timeout=180,
