@@ -185,8 +185,10 @@ def render_sync_overhead(d: dict) -> list[str]:
         met = meets(ratio[f"{m.group(3)}MB"]["vs_mpi_allreduce"], f"{m.group(1)} {m.group(2)}")
     out.append("")
     out.append(
-        f"Median of {d.get('reps')} rounds, {d.get('workers')} workers of {d.get('ranks')} ranks. "
-        f"Goal: {goal}" + (f" (met: {met})." if met else ".")
+        f"Median of {d.get('reps')} rounds, {d.get('workers')} workers of {d.get('ranks')} ranks"
+        + (f", pull into the {d['pull_into']} buffer. " if "pull_into" in d else ". ")
+        + f"Goal: {goal}"
+        + (f" (met: {met})." if met else ".")
     )
     return out
 

@@ -37,6 +37,14 @@ p = argparse.ArgumentParser()
 p.add_argument("--sizes", default="1,25,100", help="MB, comma-separated")
 p.add_argument("--reps", type=int, default=11)
 p.add_argument("--bucket-mb", type=float, default=4.0, help="FSA's buckets (--bucket-mb)")
+p.add_argument(
+    "--pull-into",
+    choices=("same", "separate"),
+    default="same",
+    help="same: the result lands in the pushed buffer, as Allreduce's does (the pull is posted "
+    "once the push completed: MPI forbids receiving into a buffer that a pending send reads); "
+    "separate: pull into another buffer, as FSA does with gradients and parameters",
+)
 p.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results/sync_overhead.json"))
 args = p.parse_args()
 
@@ -64,14 +72,16 @@ if role is Role.WORKER:
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=widx, world_size=topo.num_workers
     )
     client = PSClient(Link(comms.dc, LAN, stats))
-    bufs = [torch.ones(n) for _, n in keys]
+    grads = [torch.ones(n) for _, n in keys]  # pushed, as gradients are
+    params = grads if args.pull_into == "same" else [torch.ones(n) for _, n in keys]
     flat = torch.ones(max(sum(n for _, n in g) for g in groups))
     spec = json.dumps({"optimizer": spec_to_dict(SGD(lr=1e-9))}).encode()
     reqs = client.start(Op.INIT, keys, spec=spec if rank == 0 else None)
-    for b in bufs:
-        client.push(reqs, b)
-    for b in bufs:
-        client.pull(reqs, b)
+    for g in grads:
+        client.push(reqs, g)
+    reqs.wait()
+    for p in params:
+        client.pull(reqs, p)
     reqs.wait()
 else:
     server = make_server("fsa", topo, comms, stats)
@@ -81,9 +91,14 @@ else:
 def raw_two_tier(sizes: list[int], bufs: dict) -> None:
     """One round of the same buckets along geompi's path, in plain mpi4py (see the docstring)."""
     if role is Role.WORKER:
-        out = bufs.setdefault("w", [np.ones(n, np.float32) for n in sizes])
-        reqs = [comms.dc.Isend(b, 0, i) for i, b in enumerate(out)]
-        reqs += [comms.dc.Irecv(b, 0, 1000 + i) for i, b in enumerate(out)]
+        grad = bufs.setdefault("wg", [np.ones(n, np.float32) for n in sizes])
+        param = (
+            grad if args.pull_into == "same" else bufs.setdefault("wp", [g.copy() for g in grad])
+        )
+        reqs = [comms.dc.Isend(b, 0, i) for i, b in enumerate(grad)]
+        if param is grad:
+            MPI.Request.Waitall(reqs)
+        reqs += [comms.dc.Irecv(b, 0, 1000 + i) for i, b in enumerate(param)]
         MPI.Request.Waitall(reqs)
     elif role is Role.LOCAL_SERVER:
         nw, gs = comms.dc.Get_size() - 1, range(topo.num_dcs, comms.glob.Get_size())
@@ -136,9 +151,11 @@ for group, mb in zip(groups, sizes):
         if role is Role.WORKER:
             reqs = client.start(Op.GRAD, group, weight=1.0)
             for key, _ in group:
-                client.push(reqs, bufs[key])
+                client.push(reqs, grads[key])
+            if params is grads:
+                reqs.wait()
             for key, _ in group:
-                client.pull(reqs, bufs[key])
+                client.pull(reqs, params[key])
             reqs.wait()
         else:
             server.serve_round()
@@ -188,6 +205,7 @@ if rank == 0:
         "workers": topo.num_workers,
         "topology": topo.describe(),
         "reps": args.reps,
+        "pull_into": args.pull_into,
         "median_s": results,
         "ratio": ratios,
         "goal": "geompi / MPI.Allreduce <= 1.5 at 25 MB",
