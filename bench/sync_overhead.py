@@ -104,9 +104,10 @@ def raw_two_tier(sizes: list[int], bufs: dict) -> None:
         nw, gs = comms.dc.Get_size() - 1, range(topo.num_dcs, comms.glob.Get_size())
         per = bufs.setdefault("ls", [[np.empty(n, np.float32) for _ in range(nw)] for n in sizes])
         tot = bufs.setdefault("lst", [np.empty(n, np.float32) for n in sizes])
+        res = bufs.setdefault("lsr", [np.empty(n, np.float32) for n in sizes])  # as geompi's
         recv = [[comms.dc.Irecv(b, 1 + j, i) for j, b in enumerate(p)] for i, p in enumerate(per)]
         sends, back = [], []
-        for i, (p, t) in enumerate(zip(per, tot)):
+        for i, (p, t, out) in enumerate(zip(per, tot, res)):
             MPI.Request.Waitall(recv[i])
             np.add(p[0], p[1], out=t) if nw > 1 else np.copyto(t, p[0])
             for b in p[2:]:
@@ -114,11 +115,11 @@ def raw_two_tier(sizes: list[int], bufs: dict) -> None:
             for g, r in enumerate(gs):
                 lo, hi = topo.shard_bounds(t.size, g)
                 sends.append(comms.glob.Isend(t[lo:hi], r, i))
-                back.append(comms.glob.Irecv(t[lo:hi], r, 1000 + i))
+                back.append(comms.glob.Irecv(out[lo:hi], r, 1000 + i))
         MPI.Request.Waitall(sends)
-        for i, t in enumerate(tot):
+        for i, out in enumerate(res):
             MPI.Request.Waitall(back[len(gs) * i : len(gs) * (i + 1)])
-            sends += [comms.dc.Isend(t, 1 + j, 1000 + i) for j in range(nw)]
+            sends += [comms.dc.Isend(out, 1 + j, 1000 + i) for j in range(nw)]
         MPI.Request.Waitall(sends)
     else:
         nd, g = topo.num_dcs, comms.glob.Get_rank() - topo.num_dcs
