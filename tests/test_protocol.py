@@ -16,6 +16,7 @@ from geompi.ps.protocol import (
     Round,
     agree,
     header_len,
+    sender_weights,
 )
 
 
@@ -58,6 +59,11 @@ def test_weight_one_third_is_exact() -> None:
     back = Round.decode(Round(Op.GRAD, 1, [(0, 4)], weight=1 / 3).encode())
     assert back.weight == 1 / 3
     assert back.weight != float(torch.tensor(1 / 3, dtype=torch.float32))  # not squeezed to fp32
+
+
+def test_sender_weights_read_each_header_weight() -> None:
+    h = stack(Round(Op.GRAD, 3, [(1, 4)], weight=1 / 3), Round(Op.GRAD, 3, [(1, 4)], weight=48.0))
+    assert sender_weights(h).tolist() == [Round.decode(r).weight for r in h] == [1 / 3, 48.0]
 
 
 def test_too_many_keys() -> None:

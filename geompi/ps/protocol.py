@@ -37,6 +37,7 @@ FLAG_WEIGHT_FINAL = 4
 
 MAX_KEYS = 256
 _FIXED = 7  # op, round, weight, nkeys, spec_len, flags, step
+_WEIGHT = 2  # the weight's position in a header
 
 TAG_SNAPSHOT = 21  # on the world communicator: a global server's state -> the master worker
 TAG_RESTORE = 22  # on the world communicator: checkpointed state -> a global server
@@ -96,6 +97,11 @@ def wire_header(h: torch.Tensor) -> torch.Tensor:
     """The used prefix of an encoded header, which is what crosses the WAN: the receiver posts
     a full-length receive into a zeroed buffer, and MPI allows a shorter message."""
     return h[: _FIXED + 2 * int(h[3])]
+
+
+def sender_weights(headers: torch.Tensor) -> torch.Tensor:
+    """Each sender's weight, read from a stack of encoded headers without decoding them."""
+    return headers[:, _WEIGHT].clone()
 
 
 def agree(headers: torch.Tensor, senders: list[int], where: str) -> tuple[Round, float, list[int]]:
