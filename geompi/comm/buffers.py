@@ -2,8 +2,8 @@
 
 A CPU tensor becomes a numpy view of the same memory. A CUDA tensor goes to MPI directly when
 the MPI library is CUDA-aware (detected, never assumed); otherwise through a reused pinned host
-buffer, copied in before a send and out after a receive completes. ``all_finite`` is the
-servers' fast NaN/Inf check of a summed buffer.
+buffer, copied in before a send and out after a receive completes. ``BufferPool`` keeps the
+servers' buffers across rounds and ``all_finite`` is their fast NaN/Inf check of a sum.
 """
 
 from __future__ import annotations
@@ -14,6 +14,22 @@ import os
 import re
 
 import torch
+
+
+class BufferPool:
+    """Reused fp32 buffers by key, for a server's receives and sums: fresh large buffers would
+    pay their page faults on every round."""
+
+    def __init__(self) -> None:
+        self._bufs: dict = {}
+
+    def get(self, key, numel: int) -> torch.Tensor:
+        """The buffer of ``key``, reallocated (zeroed) when its size changed; its contents are
+        whatever the last user left."""
+        b = self._bufs.get(key)
+        if b is None or b.numel() != numel:
+            b = self._bufs[key] = torch.zeros(numel, dtype=torch.float32)
+        return b
 
 
 def all_finite(t: torch.Tensor) -> bool:

@@ -6,6 +6,7 @@ import json
 
 import torch
 
+from geompi.comm.buffers import BufferPool
 from geompi.comm.topology import Communicators, Topology
 from geompi.comm.transport import WAN, Link, LinkStats, Requests
 from geompi.ps.optim import ServerOptimizer, outer_step, spec_from_dict
@@ -23,6 +24,7 @@ from geompi.ps.protocol import (
     Round,
     agree,
     header_len,
+    sender_weights,
     wire_header,
 )
 from geompi.ps.wan import TierCodec
@@ -52,7 +54,7 @@ class GlobalServer:
         self.outer_state: dict[int, dict[str, torch.Tensor]] = {}
         self.updates = 0
         self.codec = codec  # compression of the global tier's data rounds (geompi.ps.wan)
-        self._recv_bufs: dict[tuple[int, int], torch.Tensor] = {}
+        self._recv_bufs = BufferPool()  # (local server, key position) -> its data
 
     def configure(self, spec: dict) -> None:
         """Apply a spec from the master worker: the optimizer and, for HFA, the outer one."""
@@ -97,7 +99,7 @@ class GlobalServer:
         sizes = [self._slice_len(n) for _, n in rnd.keys]
         alloc = self._payload if compressed else None
         incoming = [
-            [alloc(m) if alloc else self._incoming(ls, i, m) for i, m in enumerate(sizes)]
+            [alloc(m) if alloc else self._recv_bufs.get((ls, i), m) for i, m in enumerate(sizes)]
             for ls in range(d)
         ]
         per_key = [Requests(self.stats, self.timeout, "the local servers") for _ in sizes]
@@ -108,7 +110,7 @@ class GlobalServer:
                     self.link.irecv(per_key[i], buf, ls, TAG_DATA + i)
             self.link.irecv(reqs, trailers[ls : ls + 1], ls, TAG_TRAILER)
         if rnd.flags & FLAG_WEIGHT_FINAL:  # each key goes on as soon as it arrived
-            weights = torch.tensor([Round.decode(h).weight for h in headers], dtype=torch.float64)
+            weights = sender_weights(headers)
         else:  # a local server may still skip the round (weight 0): wait for every trailer
             reqs.wait()
             weights = trailers
@@ -191,14 +193,6 @@ class GlobalServer:
     def _slice_len(self, numel: int) -> int:
         lo, hi = self.topo.shard_bounds(numel, self.index)
         return hi - lo
-
-    def _incoming(self, ls: int, i: int, n: int) -> torch.Tensor:
-        """A reused receive buffer for local server ``ls``'s key ``i``: a fresh 25 MB buffer per
-        round costs its page faults every round (bench/sync_overhead.py)."""
-        b = self._recv_bufs.get((ls, i))
-        if b is None or b.numel() != n:
-            b = self._recv_bufs[(ls, i)] = torch.empty(n, dtype=torch.float32)
-        return b
 
     def _payload(self, n: int) -> torch.Tensor:
         return torch.empty(self.codec.nbytes(n), dtype=torch.uint8)

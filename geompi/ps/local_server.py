@@ -8,7 +8,7 @@ from functools import partial
 
 import torch
 
-from geompi.comm.buffers import all_finite
+from geompi.comm.buffers import BufferPool, all_finite
 from geompi.comm.linkmodel import Duplex, LinkModel
 from geompi.comm.topology import Communicators, Topology
 from geompi.comm.transport import LAN, WAN, Link, LinkStats, Requests
@@ -199,7 +199,7 @@ class LocalServer:
         self.on_nonfinite = on_nonfinite
         self.timeout = timeout
         self.stats = stats
-        self.bufs: dict = {}  # key -> sum; (key, worker) -> that worker's push
+        self.bufs = BufferPool()  # key -> sum; (key, worker) -> its push; (key, "out") -> result
         self.avg_rounds: dict[int, int] = {}  # per key
         self.skipped = 0
         self.workers = topo.workers(self.dc)
@@ -228,7 +228,7 @@ class LocalServer:
         if rnd.op is Op.SAVE:
             self.uplink.save(rnd, self.dc)
             return True
-        bufs = [self._buffer(k, n) for k, n in rnd.keys]
+        bufs = [self.bufs.get(k, n) for k, n in rnd.keys]
         if rnd.op is Op.STOP:  # MixedSync's STOP carries keys: the final global parameters
             self.uplink.stop(rnd, bufs)
             self._send_results(reqs, bufs)
@@ -242,7 +242,7 @@ class LocalServer:
         up_index = {i: u for u, i in enumerate(sorted(due))}
         if due:
             flags = rnd.flags | (FLAG_GLOBAL if rnd.op is Op.AVG else 0)
-            if self.on_nonfinite != "skip" or rnd.op is not Op.GRAD:
+            if not self._may_skip(rnd):
                 flags |= FLAG_WEIGHT_FINAL  # a non-finite sum raises: the weight stays
             self.uplink.begin(
                 Round(rnd.op, rnd.round_id, [rnd.keys[i] for i in sorted(due)], weight, 0, flags),
@@ -264,7 +264,7 @@ class LocalServer:
         if due:
             self.uplink.end(weight)
             outs = [
-                self._buffer((k, "out"), n) if i in due else bufs[i]
+                self.bufs.get((k, "out"), n) if i in due else bufs[i]
                 for i, (k, n) in enumerate(rnd.keys)
             ]
             results = self.uplink.receive([outs[i] for i in sorted(due)])
@@ -291,7 +291,7 @@ class LocalServer:
         out = []
         for i, (key, n) in enumerate(rnd.keys):
             reqs = Requests(self.stats, self.timeout, f"the workers of datacenter {self.dc}")
-            per_worker = [self._buffer((key, j), n) for j in range(len(self.workers))]
+            per_worker = [self.bufs.get((key, j), n) for j in range(len(self.workers))]
             for j, buf in enumerate(per_worker):
                 self.lan.irecv(reqs, buf, 1 + j, TAG_DATA + i)
             out.append((reqs, per_worker))
@@ -318,19 +318,15 @@ class LocalServer:
         """What this server contributes to the run's summary."""
         return {"dc": self.dc, "skipped_nonfinite": self.skipped}
 
-    def _buffer(self, key, numel: int) -> torch.Tensor:
-        """A reused fp32 buffer per key (or per (key, worker)); its contents are overwritten."""
-        b = self.bufs.get(key)
-        if b is None or b.numel() != numel:
-            b = torch.zeros(numel, dtype=torch.float32)
-            self.bufs[key] = b
-        return b
+    def _may_skip(self, rnd: Round) -> bool:
+        """Whether a non-finite sum skips this round (weight 0) instead of raising."""
+        return self.on_nonfinite == "skip" and rnd.op is Op.GRAD
 
     def _nonfinite(self, rnd: Round) -> float:
         """A NaN/Inf in this datacenter's sum: abort (default) or skip this gradient round."""
         ranks = f"ranks {self.workers[0]}-{self.workers[-1]}"
         what = "gradient" if rnd.op is Op.GRAD else "parameter average"
-        if self.on_nonfinite == "skip" and rnd.op is Op.GRAD:
+        if self._may_skip(rnd):
             self.skipped += 1
             return 0.0
         raise NonFiniteError(
