@@ -151,16 +151,16 @@ def render_throughput(d: dict) -> list[str]:
 
 def render_sync_overhead(d: dict) -> list[str]:
     med, ratio = d["median_s"], d["ratio"]
-    raw = "raw_two_tier" in med  # results from before the raw two-tier comparison lack it
     rows = [
         [
             size,
             num(med["geompi"][size], 4),
-            *([num(med["raw_two_tier"][size], 4)] if raw else []),
+            num(med["raw_two_tier"][size], 4),
             num(med["mpi_allreduce"][size], 4),
             num(med["gloo_allreduce"][size], 4),
             num(r["vs_mpi_allreduce"]),
-            *([num(r["vs_raw_two_tier"]), num(r["raw_two_tier_vs_mpi_allreduce"])] if raw else []),
+            num(r["vs_raw_two_tier"]),
+            num(r["raw_two_tier_vs_mpi_allreduce"]),
             num(r["vs_gloo_allreduce"]),
         ]
         for size, r in ratio.items()
@@ -169,11 +169,12 @@ def render_sync_overhead(d: dict) -> list[str]:
         [
             "buffer",
             "geompi push+pull s",
-            *(["raw two-tier s"] if raw else []),
+            "raw two-tier s",
             "MPI Allreduce s",
             "gloo all_reduce s",
             "geompi / MPI",
-            *(["geompi / raw two-tier", "raw two-tier / MPI"] if raw else []),
+            "geompi / raw two-tier",
+            "raw two-tier / MPI",
             "geompi / gloo",
         ],
         rows,
@@ -185,9 +186,8 @@ def render_sync_overhead(d: dict) -> list[str]:
         met = meets(ratio[f"{m.group(3)}MB"]["vs_mpi_allreduce"], f"{m.group(1)} {m.group(2)}")
     out.append("")
     out.append(
-        f"Median of {d.get('reps')} rounds, {d.get('workers')} workers of {d.get('ranks')} ranks"
-        + (f", pull into the {d['pull_into']} buffer. " if "pull_into" in d else ". ")
-        + f"Goal: {goal}"
+        f"Median of {d.get('reps')} rounds, {d.get('workers')} workers of {d.get('ranks')} "
+        f"ranks, pull into the {d['pull_into']} buffer. Goal: {goal}"
         + (f" (met: {met})." if met else ".")
     )
     return out

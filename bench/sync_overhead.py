@@ -15,9 +15,11 @@ Writes bench/results/sync_overhead.json.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
 import pathlib
+import pstats
 import statistics
 import time
 
@@ -44,6 +46,12 @@ p.add_argument(
     help="same: the result lands in the pushed buffer, as Allreduce's does (the pull is posted "
     "once the push completed: MPI forbids receiving into a buffer that a pending send reads); "
     "separate: pull into another buffer, as FSA does with gradients and parameters",
+)
+p.add_argument(
+    "--profile",
+    action="store_true",
+    help="print the share of the geompi rounds that rank 0, its local server and the first "
+    "global server spend waiting in MPI (cProfile; profiling slows the Python part)",
 )
 p.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results/sync_overhead.json"))
 args = p.parse_args()
@@ -88,6 +96,13 @@ else:
     server.serve_round()  # INIT
 
 
+def sum_into(total: np.ndarray, parts: list[np.ndarray]) -> None:
+    """``total = sum(parts)``: a copy and one add per further part, as geompi's local server."""
+    np.copyto(total, parts[0])
+    for b in parts[1:]:
+        np.add(total, b, out=total)
+
+
 def raw_two_tier(sizes: list[int], bufs: dict) -> None:
     """One round of the same buckets along geompi's path, in plain mpi4py (see the docstring)."""
     if role is Role.WORKER:
@@ -109,9 +124,7 @@ def raw_two_tier(sizes: list[int], bufs: dict) -> None:
         sends, back = [], []
         for i, (p, t, out) in enumerate(zip(per, tot, res)):
             MPI.Request.Waitall(recv[i])
-            np.add(p[0], p[1], out=t) if nw > 1 else np.copyto(t, p[0])
-            for b in p[2:]:
-                np.add(t, b, out=t)
+            sum_into(t, p)
             for g, r in enumerate(gs):
                 lo, hi = topo.shard_bounds(t.size, g)
                 sends.append(comms.glob.Isend(t[lo:hi], r, i))
@@ -133,9 +146,7 @@ def raw_two_tier(sizes: list[int], bufs: dict) -> None:
         sends = []
         for i, (p, t, w) in enumerate(zip(per, tot, par)):
             MPI.Request.Waitall(recv[i])
-            np.add(p[0], p[1], out=t) if nd > 1 else np.copyto(t, p[0])
-            for b in p[2:]:
-                np.add(t, b, out=t)
+            sum_into(t, p)
             t *= -1e-9 / topo.num_workers  # SGD: w -= lr * mean gradient
             w += t
             sends += [comms.glob.Isend(w, d, 1000 + i) for d in range(nd)]
@@ -144,11 +155,14 @@ def raw_two_tier(sizes: list[int], bufs: dict) -> None:
 
 raw_bufs: list[dict] = [{} for _ in groups]
 results = {"geompi": {}, "raw_two_tier": {}, "mpi_allreduce": {}, "gloo_allreduce": {}}
+profiles = {mb: cProfile.Profile() for mb in sizes}
 for group, mb in zip(groups, sizes):
     times = {k: [] for k in results}
-    for _ in range(args.reps):
+    for rep in range(args.reps):
         world.Barrier()
         t0 = time.perf_counter()
+        if args.profile and rep:  # not the first round: torch's lazy imports
+            profiles[mb].enable()
         if role is Role.WORKER:
             reqs = client.start(Op.GRAD, group, weight=1.0)
             for key, _ in group:
@@ -160,6 +174,7 @@ for group, mb in zip(groups, sizes):
             reqs.wait()
         else:
             server.serve_round()
+        profiles[mb].disable()
         world.Barrier()
         times["geompi"].append(time.perf_counter() - t0)
         world.Barrier()
@@ -189,6 +204,16 @@ if role is Role.WORKER:
 else:
     server.run()
 comms.free()
+if args.profile and rank in (0, topo.local_server(0), topo.global_servers[0]):
+    for mb, prof in profiles.items():
+        st = pstats.Stats(prof)
+        wait = sum(ct for (_, _, fn), (_, _, _, ct, _) in st.stats.items() if fn == "wait_for")
+        share = 100 * wait / st.total_tt
+        print(
+            f"profile: rank {rank} ({role.name.lower()}), {mb:g} MB: {share:.0f}% of its geompi "
+            "rounds waiting in MPI",
+            flush=True,
+        )
 if rank == 0:
     ratios = {
         size: {
