@@ -1,3 +1,126 @@
-"""geompi: train one PyTorch model across several datacenters over MPI (FSA, MixedSync, HFA)."""
+"""geompi: train one PyTorch model across several datacenters over MPI (FSA, MixedSync, HFA).
+
+The Python API, for a user's own torch loop::
+
+    geompi.init()                                   # server ranks serve in here, then exit 0
+    model = Net().to(geompi.device())
+    opt = geompi.DistributedOptimizer(torch.optim.AdamW(model.parameters()), model, sync="fsa")
+    sampler = geompi.DistributedSampler(train_set)  # a disjoint shard per worker
+    ...                                             # the usual loop: backward, opt.step()
+    geompi.finish()
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "FSA",
+    "HFA",
+    "DistributedOptimizer",
+    "DistributedSampler",
+    "MixedSync",
+    "device",
+    "dc",
+    "finish",
+    "init",
+    "is_master",
+    "load",
+    "num_dcs",
+    "num_workers",
+    "save",
+    "worker_rank",
+]
+
+# Names resolved on first use, so ``import geompi`` stays light (no MPI, no h5py) until needed.
+_LAZY = {
+    "FSA": "geompi.algorithms",
+    "HFA": "geompi.algorithms",
+    "MixedSync": "geompi.algorithms",
+    "DistributedOptimizer": "geompi.optimizer",
+    "DistributedSampler": "geompi.sampler",
+    "save": "geompi.state",
+    "load": "geompi.state",
+}
+_SUBMODULES = ("kv", "optim", "ckpt", "train", "comm", "ps", "sync", "config", "errors", "data")
+
+if TYPE_CHECKING:  # pragma: no cover
+    from geompi.algorithms import FSA, HFA, MixedSync
+    from geompi.optimizer import DistributedOptimizer
+    from geompi.sampler import DistributedSampler
+    from geompi.state import load, save
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    if name in _SUBMODULES:  # geompi.kv.create(...) after a plain `import geompi`, as mx.kv
+        return importlib.import_module(f"geompi.{name}")
+    raise AttributeError(f"module 'geompi' has no attribute {name!r}")
+
+
+def init(comm=None, **settings) -> None:
+    """Join the job (collective over COMM_WORLD). Workers return; server ranks serve rounds
+    until the workers call ``finish()``, then exit with status 0.
+
+    Keywords (else ``GEOMPI_*`` variables): ``dcs``, ``dc_sizes``, ``global_servers``,
+    ``wan_bandwidth``, ``wan_latency``, ``lan_bandwidth``, ``wan_compression``,
+    ``comm_timeout``, ``on_nonfinite``, ``max_staleness``.
+    """
+    from geompi import session
+
+    session.init(comm, **settings)
+
+
+def finish() -> None:
+    """End training on this worker and release the servers (every worker calls it)."""
+    from geompi import session
+
+    session.finish()
+
+
+def device():
+    """This worker's torch device: its GPU (round-robin over the node's GPUs), else the CPU."""
+    from geompi import session
+
+    return session.worker_session().device
+
+
+def worker_rank() -> int:
+    """This worker's position among all workers of the job (0 .. num_workers() - 1)."""
+    from geompi import session
+
+    s = session.worker_session()
+    return s.topo.worker_index(s.rank)
+
+
+def num_workers() -> int:
+    """How many workers the job has (servers excluded)."""
+    from geompi import session
+
+    return session.worker_session().topo.num_workers
+
+
+def dc() -> int:
+    """This worker's datacenter."""
+    from geompi import session
+
+    s = session.worker_session()
+    return s.topo.dc_of(s.rank)
+
+
+def num_dcs() -> int:
+    """How many datacenters the job has."""
+    from geompi import session
+
+    return session.worker_session().topo.num_dcs
+
+
+def is_master() -> bool:
+    """Whether this is the master worker (world rank 0: it prints, evaluates, writes files)."""
+    from geompi import session
+
+    return session.worker_session().rank == 0

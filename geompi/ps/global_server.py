@@ -11,6 +11,7 @@ from geompi.comm.topology import Communicators, Topology
 from geompi.comm.transport import WAN, Link, LinkStats, Requests
 from geompi.ps.optim import ServerOptimizer, outer_step, spec_from_dict
 from geompi.ps.protocol import (
+    FLAG_RAW,
     FLAG_SUM,
     FLAG_WEIGHT_FINAL,
     TAG_DATA,
@@ -159,7 +160,7 @@ class GlobalServer:
         value = self.values[key]
         if rnd.op is Op.GRAD:
             self.updates += 1
-            if self.optimizer is None:  # KVStore without an optimizer: the value is the sum
+            if self.optimizer is None or rnd.flags & FLAG_RAW:  # the value is the sum
                 value.copy_(total)
             elif rnd.flags & FLAG_SUM:
                 self.optimizer.step(key, value, total, dc)

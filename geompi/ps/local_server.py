@@ -15,6 +15,7 @@ from geompi.comm.transport import LAN, WAN, Link, LinkStats, Requests
 from geompi.errors import NonFiniteError
 from geompi.ps.protocol import (
     FLAG_GLOBAL,
+    FLAG_RAW,
     FLAG_WEIGHT_FINAL,
     TAG_DATA,
     TAG_HEADER,
@@ -254,7 +255,7 @@ class LocalServer:
             total.copy_(per_worker[0])
             for buf in per_worker[1:]:
                 total.add_(buf)
-            if rnd.op in (Op.GRAD, Op.AVG) and not all_finite(total):
+            if self._judges_finite(rnd) and not all_finite(total):
                 weight = self._nonfinite(rnd)  # raises, or 0: the global servers skip us
             if i in due:
                 self.uplink.send_key(up_index[i], total)
@@ -320,7 +321,12 @@ class LocalServer:
 
     def _may_skip(self, rnd: Round) -> bool:
         """Whether a non-finite sum skips this round (weight 0) instead of raising."""
-        return self.on_nonfinite == "skip" and rnd.op is Op.GRAD
+        return self.on_nonfinite == "skip" and rnd.op is Op.GRAD and not rnd.flags & FLAG_RAW
+
+    @staticmethod
+    def _judges_finite(rnd: Round) -> bool:
+        """Whether this server checks the round's sums for NaN/Inf (FLAG_RAW: the workers do)."""
+        return rnd.op in (Op.GRAD, Op.AVG) and not rnd.flags & FLAG_RAW
 
     def _nonfinite(self, rnd: Round) -> float:
         """A NaN/Inf in this datacenter's sum: abort (default) or skip this gradient round."""

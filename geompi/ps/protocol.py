@@ -34,6 +34,10 @@ FLAG_GLOBAL = 2  # AVG: set by the local server when this round goes to the glob
 # Set by a local server whose header weight is already final (it cannot skip the round): the
 # global servers then answer each key as soon as it arrived instead of waiting for the trailers.
 FLAG_WEIGHT_FINAL = 4
+# GRAD: the plain weighted sum goes back to the workers, which run the optimizer themselves (the
+# Python API's default). Servers neither step nor judge non-finite sums: the workers, which see
+# the same sum, decide together (a GradScaler skips the step on every worker at once).
+FLAG_RAW = 8
 
 MAX_KEYS = 256
 _FIXED = 7  # op, round, weight, nkeys, spec_len, flags, step

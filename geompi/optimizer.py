@@ -1,0 +1,496 @@
+"""``geompi.DistributedOptimizer``: a user's own ``torch.optim`` optimizer, synchronized by geompi.
+
+The optimizer object stays the user's: its class is swapped in place for a subclass whose
+``step()`` takes part in the chosen algorithm, so ``isinstance`` checks, lr schedulers,
+``GradScaler``, ``state_dict()`` and param groups all keep working.
+
+- **FSA**: gradient buckets are pushed from backward hooks (last layers first) while backward
+  runs; when backward ends, every worker holds the sample-weighted global gradient in ``.grad``
+  (a parameter no worker gave a gradient keeps ``.grad = None``, so torch skips it), and
+  ``step()`` runs the user's optimizer on it: exactly one process on the concatenated batch.
+- **HFA**: ``step()`` runs the user's optimizer locally; every K1 steps the datacenter averages
+  its parameters and buffers, every K2-th average is global.
+- **MixedSync**: gradients go to the global servers, which step asynchronously per datacenter;
+  the new parameters arrive when backward ends and ``step()`` has nothing left to do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import weakref
+from collections.abc import Callable, Iterator
+
+import torch
+
+from geompi.algorithms import FSA, HFA, MixedSync, resolve, spec_json
+from geompi.comm.buckets import Buckets
+from geompi.comm.buffers import all_finite
+from geompi.comm.transport import LAN, Link
+from geompi.errors import ConfigError, NonFiniteError
+from geompi.ps.client import PSClient
+from geompi.ps.protocol import FLAG_RAW, Op
+
+
+def DistributedOptimizer(  # noqa: N802 - a factory named like the class it returns, as Horovod's
+    optimizer: torch.optim.Optimizer,
+    model: torch.nn.Module,
+    sync: str | FSA | HFA | MixedSync = "fsa",
+    *,
+    bucket_mb: float = 1.0,
+    max_grad_norm: float | None = None,
+    backward_passes_per_step: int = 1,
+) -> torch.optim.Optimizer:
+    """Make ``optimizer`` (built on ``model``'s parameters) train across the job. Collective:
+    every worker calls it once, with the same model and settings.
+
+    The master worker's parameters and buffers become everyone's. Returns the same optimizer
+    object, now a subclass of its class with ``no_sync()``, ``synchronize()`` and
+    ``set_batch_size()``.
+    """
+    from geompi import session
+
+    s = session.worker_session()
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(f"DistributedOptimizer needs a torch.optim.Optimizer, got {optimizer!r}")
+    if isinstance(optimizer, _Distributed):
+        raise ConfigError("this optimizer is already a geompi.DistributedOptimizer: wrap it once")
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(f"DistributedOptimizer needs the nn.Module it trains, got {model!r}")
+    algo = resolve(sync)
+    if not (isinstance(backward_passes_per_step, int) and backward_passes_per_step >= 1):
+        raise ConfigError(
+            f"backward_passes_per_step={backward_passes_per_step!r}: must be a whole number >= 1"
+        )
+    if max_grad_norm is not None and not (math.isfinite(max_grad_norm) and max_grad_norm > 0):
+        raise ConfigError(f"max_grad_norm={max_grad_norm!r}: must be a finite number > 0")
+    if not (math.isfinite(bucket_mb) and bucket_mb > 0):
+        raise ConfigError(f"bucket_mb={bucket_mb!r}: must be a finite number > 0")
+    if isinstance(algo, FSA) and s.cfg.wan_compression != "none":
+        raise ConfigError(
+            "WAN compression with FSA's worker-side optimizer is not supported yet: "
+            "use sync='hfa' or 'mixed' with compression, or drop wan_compression"
+        )
+    known = {id(p) for p in model.parameters()}
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            if id(p) not in known:
+                raise ConfigError(
+                    "the optimizer holds a parameter that is not in the model: build it on "
+                    "model.parameters() (or a subset of them)"
+                )
+    engine = Synchronizer(
+        optimizer,
+        model,
+        algo,
+        s,
+        bucket_mb=bucket_mb,
+        max_grad_norm=max_grad_norm,
+        passes=backward_passes_per_step,
+    )
+    base = type(optimizer)
+    optimizer.__class__ = type(f"Distributed{base.__name__}", (_Distributed, base), {})
+    optimizer._patch_step_function()  # torch's step hooks and profiling follow the new class
+    _rewrap_scheduler_step(optimizer)
+    optimizer._geompi = engine
+    engine.start()
+    return optimizer
+
+
+def _rewrap_scheduler_step(optimizer: torch.optim.Optimizer) -> None:
+    """An lr scheduler built before wrapping left an instance ``step`` that calls the original
+    class's step (and records that it ran): point it at the distributed step instead."""
+    if "step" not in vars(optimizer):
+        return
+    del optimizer.step
+    ref = weakref.ref(optimizer)
+
+    def step(*args, **kwargs):
+        opt = ref()
+        opt._opt_called = True  # what the scheduler's own wrapper records
+        return type(opt).step(opt, *args, **kwargs)
+
+    step._wrapped_by_lr_sched = True  # the scheduler then sees its wrapper in place
+    optimizer.step = step
+
+
+class _Distributed:
+    """Mixed in before the user's optimizer class by ``DistributedOptimizer``."""
+
+    _geompi: Synchronizer
+
+    def step(self, closure: Callable[[], float] | None = None):  # type: ignore[override]
+        """One training step of the chosen algorithm (the same call on every worker)."""
+        return self._geompi.step(closure, super().step)  # type: ignore[misc]
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally and send nothing."""
+        self._geompi.no_sync_depth += 1
+        try:
+            yield
+        finally:
+            self._geompi.no_sync_depth -= 1
+
+    def synchronize(self) -> None:
+        """Finish this step's gradient exchange now (it normally completes as backward ends)."""
+        self._geompi.synchronize()
+
+    def set_batch_size(self, n: int) -> None:
+        """This worker's sample count for the coming step, if the model's first input does not
+        say it (geompi otherwise counts the leading dimension of each training forward)."""
+        self._geompi.explicit_samples = int(n)
+
+    @property
+    def global_syncs(self) -> int:
+        """How many times the global tier has synchronized so far."""
+        return self._geompi.global_syncs
+
+    def geompi_close(self) -> None:
+        self._geompi.close()
+
+
+class Synchronizer:
+    """The worker side of one algorithm around a user's model and optimizer."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        model: torch.nn.Module,
+        algo: FSA | HFA | MixedSync,
+        session,
+        *,
+        bucket_mb: float,
+        max_grad_norm: float | None,
+        passes: int,
+    ) -> None:
+        self.opt, self.model, self.algo, self.s = optimizer, model, algo, session
+        self.max_grad_norm = max_grad_norm
+        self.passes = passes
+        self.master = session.rank == 0
+        named = list(model.named_parameters())
+        for name, p in named:
+            if p.dtype != torch.float32:
+                raise ConfigError(
+                    f"parameter {name} is {p.dtype}: geompi synchronizes fp32 parameters; keep "
+                    "the model in fp32 and use torch.autocast for bf16/fp16 compute"
+                )
+        self.params = [p for _, p in named]
+        self.buckets = Buckets(named, int(bucket_mb * 2**20))
+        self.index = {id(p): i for i, p in enumerate(self.params)}
+        self.float_buffers = [b for b in model.buffers() if b.is_floating_point()]
+        cfg = session.cfg
+        timeout = cfg.comm_timeout and 4 * cfg.comm_timeout
+        self.client = PSClient(Link(session.comms.dc, LAN, session.stats), timeout)
+        device = self.params[0].device if self.params else torch.device("cpu")
+        nbuf = sum(b.numel() for b in self.float_buffers)
+        # The extra key after the buckets. FSA: [samples, per-parameter "had a gradient",
+        # buffers x samples]; HFA: [buffers x weight]; MixedSync: none (buffers stay local).
+        if isinstance(algo, FSA):
+            self.aux_len = 1 + len(self.params) + nbuf
+        elif isinstance(algo, HFA):
+            self.aux_len = nbuf
+        else:
+            self.aux_len = 0
+        self.aux_send = torch.zeros(self.aux_len, device=device)
+        self.aux_recv = torch.zeros(self.aux_len, device=device)
+        self.results = [torch.zeros_like(b.params) for b in self.buckets]  # FSA's global grads
+        self.no_sync_depth = 0
+        self.explicit_samples: int | None = None
+        self.samples = 0  # since the last exchange
+        self.passes_done = 0
+        self.in_backward = False
+        self.window_closes = False
+        self.reqs = None
+        self.synced = False
+        self.present = torch.zeros(len(self.params))
+        self.steps = 0
+        self.dc_rounds = 0
+        self.hfa_samples = 0
+        self.global_syncs = 0
+        self.skipped = 0
+        self.closed = False
+        self.average_due = False  # HFA: K1 steps done, the datacenter average not yet
+        model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
+        for p in self.params:
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(self._on_grad)
+
+    # ---- keys -----------------------------------------------------------------------------
+    @property
+    def aux_key(self) -> int:
+        return len(self.buckets)
+
+    def keys(self) -> list[tuple[int, int]]:
+        keys = self.buckets.keys
+        return keys + [(self.aux_key, self.aux_len)] if self.aux_len else keys
+
+    def _pack_buffers(self, out: torch.Tensor, scale: float) -> None:
+        off = 0
+        for b in self.float_buffers:
+            n = b.numel()
+            out[off : off + n].copy_(b.detach().reshape(-1)).mul_(scale)
+            off += n
+
+    @torch.no_grad()
+    def _unpack_buffers(self, src: torch.Tensor, scale: float) -> None:
+        off = 0
+        for b in self.float_buffers:
+            n = b.numel()
+            b.copy_((src[off : off + n] * scale).view_as(b))
+            off += n
+
+    def _buffer_slice(self, t: torch.Tensor) -> torch.Tensor:
+        return t[1 + len(self.params) :] if isinstance(self.algo, FSA) else t
+
+    # ---- start and end --------------------------------------------------------------------
+    def start(self) -> None:
+        """Tell the servers the algorithm, then the INIT round: the master's values for all."""
+        self.s.send_job(self.algo.job(), self.opt)
+        spec = None
+        if isinstance(self.algo, HFA):
+            spec = {"outer": self.algo.outer()}
+        elif isinstance(self.algo, MixedSync):
+            spec = {"optimizer": spec_json(self.algo.spec(self.opt))}
+        self.init_round(spec)
+
+    @torch.no_grad()
+    def init_round(self, spec: dict | None = None) -> None:
+        """Every worker gets the master worker's parameters and buffers (collective)."""
+        import json
+
+        payload = json.dumps(spec, sort_keys=True).encode() if spec and self.master else None
+        reqs = self.client.start(Op.INIT, self.keys(), spec=payload)
+        for b in self.buckets:
+            if self.master:
+                b.grads.copy_(b.params)
+            else:
+                b.grads.zero_()
+            self.client.push(reqs, b.grads)
+        if self.aux_len:
+            self.aux_send.zero_()
+            if self.master:
+                self._pack_buffers(self._buffer_slice(self.aux_send), 1.0)
+            self.client.push(reqs, self.aux_send)
+        for b in self.buckets:
+            self.client.pull(reqs, b.params)
+        if self.aux_len:
+            self.client.pull(reqs, self.aux_recv)
+        reqs.wait()
+        if self.aux_len:
+            self._unpack_buffers(self._buffer_slice(self.aux_recv), 1.0)
+
+    def close(self) -> None:
+        """Release the servers; MixedSync first receives the final global model."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.average_due:
+            self._average_now()
+        if isinstance(self.algo, MixedSync):
+            reqs = self.client.start(Op.STOP, self.buckets.keys)
+            for b in self.buckets:
+                self.client.pull(reqs, b.params)
+            reqs.wait()
+        else:
+            self.client.stop()
+
+    # ---- hooks ----------------------------------------------------------------------------
+    def _before_forward(self, module, args, kwargs) -> None:
+        if not (module.training and torch.is_grad_enabled()):
+            return
+        self.synced = False  # a new training forward: its gradients are still to be exchanged
+        if self.average_due:  # HFA: a GradScaler skipped step() on this worker
+            self._average_now()
+        for x in (*args, *kwargs.values()):
+            if isinstance(x, torch.Tensor) and x.dim() > 0:
+                self.samples += int(x.shape[0])
+                return
+
+    def _weight(self) -> float:
+        if self.explicit_samples is not None:
+            return float(self.explicit_samples)
+        return float(self.samples or 1)
+
+    @torch.no_grad()
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if not self.in_backward:
+            self.in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+            self.synced = False  # new gradients: the previous exchange is spent
+            self.passes_done += 1
+            counts = self.no_sync_depth == 0 and self.passes_done >= self.passes
+            if counts and isinstance(self.algo, HFA):
+                self.window_closes = True
+            elif counts:
+                self._begin_round()
+        if self.reqs is None:
+            return
+        bucket, off, numel = self.buckets.where[id(p)]
+        torch.mul(p.grad.reshape(-1), self.weight, out=bucket.grads[off : off + numel])
+        self.present[self.index[id(p)]] = 1.0
+        self.ready[bucket.key] += 1
+        self._issue(complete_only=True)
+        self.reqs.test()
+
+    def _begin_round(self) -> None:
+        if self.closed:
+            raise ConfigError("backward after its DistributedOptimizer was closed: build a new one")
+        self.weight = self._weight()
+        self.ready = [0] * len(self.buckets)
+        self.issued = 0
+        self.present.zero_()
+        for b in self.buckets:
+            b.grads.zero_()
+        raw = isinstance(self.algo, FSA)
+        self.reqs = self.client.start(Op.GRAD, self.keys(), self.weight, flags=FLAG_RAW * raw)
+
+    def _issue(self, complete_only: bool) -> None:
+        """Push buckets in key order; with complete_only, stop at the first incomplete one."""
+        while self.issued < len(self.buckets):
+            b = self.buckets.buckets[self.issued]
+            if complete_only and self.ready[b.key] < len(b.members):
+                return
+            self.client.push(self.reqs, b.grads)
+            self.issued += 1
+
+    def _end_backward(self) -> None:
+        self.in_backward = False
+        if self.reqs is not None:
+            self._finish_round()
+        if self.window_closes:  # HFA: one step's gradients are complete on every worker
+            self.window_closes = False
+            self.steps += 1
+            self.hfa_samples += int(self._weight())
+            self.samples, self.passes_done, self.explicit_samples = 0, 0, None
+            self.average_due = self.steps % self.algo.k1 == 0
+
+    @torch.no_grad()
+    def _finish_round(self) -> None:
+        self._issue(complete_only=False)  # parameters without a gradient here push zeros
+        fsa = isinstance(self.algo, FSA)
+        if fsa:
+            self.aux_send[0] = self.weight
+            self.aux_send[1 : 1 + len(self.params)].copy_(self.present)
+            self._pack_buffers(self._buffer_slice(self.aux_send), self.weight)
+            self.client.push(self.reqs, self.aux_send)
+            for out in self.results:
+                self.client.pull(self.reqs, out)
+            self.client.pull(self.reqs, self.aux_recv)
+        else:  # MixedSync: the servers stepped; the new parameters land in the model
+            for b in self.buckets:
+                self.client.pull(self.reqs, b.params)
+        self.reqs.wait()
+        self.reqs = None
+        self.synced = True
+        self.samples, self.passes_done, self.explicit_samples = 0, 0, None
+        self.global_syncs += 1
+        if not fsa:
+            return
+        total = float(self.aux_recv[0])
+        counts = self.aux_recv[1 : 1 + len(self.params)].tolist()
+        for out in self.results:
+            out.div_(total)
+        for p, count in zip(self.params, counts):
+            if count == 0:
+                p.grad = None  # no worker had a gradient: torch.optim leaves it alone
+            else:
+                bucket, off, numel = self.buckets.where[id(p)]
+                p.grad = self.results[bucket.key][off : off + numel].view_as(p)
+        self._unpack_buffers(self._buffer_slice(self.aux_recv), 1.0 / total)
+
+    def synchronize(self) -> None:
+        """Complete the gradient exchange of this step now, on every worker (FSA, MixedSync)."""
+        if isinstance(self.algo, HFA) or self.synced:
+            return
+        if self.in_backward:
+            raise ConfigError("synchronize() was called inside backward: call it after")
+        self._begin_round()
+        for p in self.params:  # gradients accumulated so far (hooks did not push them)
+            if p.grad is not None and p.requires_grad:
+                bucket, off, numel = self.buckets.where[id(p)]
+                torch.mul(p.grad.reshape(-1), self.weight, out=bucket.grads[off : off + numel])
+                self.present[self.index[id(p)]] = 1.0
+        self._finish_round()
+
+    # ---- the step -------------------------------------------------------------------------
+    def step(self, closure, local_step):
+        if self.closed:
+            raise ConfigError(
+                "this DistributedOptimizer was closed (geompi.finish(), or a newer one was "
+                "built): build a new one to train on"
+            )
+        if closure is not None:
+            raise ConfigError(
+                "DistributedOptimizer.step(closure) is not supported: call backward, then step()"
+            )
+        if isinstance(self.algo, HFA):
+            return self._hfa_step(local_step)
+        self.synchronize()
+        if isinstance(self.algo, MixedSync):
+            return None  # the global servers stepped; the parameters arrived with backward
+        if not self._finite():
+            return None
+        if self.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self._with_grad(), self.max_grad_norm)
+        return local_step()
+
+    def _with_grad(self) -> list[torch.Tensor]:
+        return [p for p in self.params if p.grad is not None]
+
+    def _finite(self) -> bool:
+        """Whether the global gradient is finite; on NaN/Inf apply ``on_nonfinite`` (every
+        worker sees the same sum, so all decide alike)."""
+        if all(all_finite(g.grad) for g in self._with_grad()):
+            return True
+        if self.s.cfg.on_nonfinite == "skip":
+            self.skipped += 1
+            return False
+        from geompi.runtime import abort
+
+        err = NonFiniteError(
+            f"non-finite global gradient at step {self.steps + 1}: lower the lr, check the data, "
+            "use a torch.amp.GradScaler, or pass on_nonfinite='skip' to geompi.init"
+        )
+        if self.master:
+            abort(err)
+        self.s.comms.all_workers.Barrier()  # the master's abort ends this process
+        raise err  # pragma: no cover
+
+    def _hfa_step(self, local_step):
+        if self.max_grad_norm is not None:  # the inner optimizer's own, local gradient
+            torch.nn.utils.clip_grad_norm_(self._with_grad(), self.max_grad_norm)
+        out = local_step()
+        if self.average_due:
+            self._average_now()
+        return out
+
+    def _average_now(self) -> None:
+        """HFA: the datacenter average that the K1-th step made due (every K2-th is global)."""
+        algo = self.algo
+        self.average_due = False
+        self._average(1.0 if algo.weighting == "uniform" else float(self.hfa_samples))
+        self.hfa_samples = 0
+        self.dc_rounds += 1
+        if self.dc_rounds % algo.k2 == 0:
+            self.global_syncs += 1
+            if algo.reset_optimizer:
+                self.opt.state.clear()
+
+    @torch.no_grad()
+    def _average(self, weight: float) -> None:
+        """HFA's datacenter average (every K2-th one global) of parameters and float buffers."""
+        reqs = self.client.start(Op.AVG, self.keys(), weight=weight)
+        for b in self.buckets:
+            torch.mul(b.params, weight, out=b.grads)
+            self.client.push(reqs, b.grads)
+        if self.aux_len:
+            self._pack_buffers(self.aux_send, weight)
+            self.client.push(reqs, self.aux_send)
+        for b in self.buckets:
+            self.client.pull(reqs, b.params)
+        if self.aux_len:
+            self.client.pull(reqs, self.aux_recv)
+        reqs.wait()
+        if self.aux_len:
+            self._unpack_buffers(self.aux_recv, 1.0)

@@ -1,0 +1,155 @@
+"""The problem the Python API tests train: a small nonlinear model and deterministic batches.
+
+Shared by the MPI programs and by the single-process references in the tests; nothing here
+calls geompi.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+IN, HID, OUT = 10, 24, 5
+
+
+class Net(nn.Module):
+    """LayerNorm + tanh + relu, a frozen layer, a layer never called, and a parameter that only
+    some workers use on some steps (so some steps no worker gives it a gradient)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Linear(IN, HID)
+        self.norm = nn.LayerNorm(HID)
+        self.hidden = nn.Linear(HID, HID)
+        self.frozen = nn.Linear(HID, HID)
+        self.frozen.requires_grad_(False)
+        self.unused = nn.Linear(HID, OUT)
+        self.extra = nn.Parameter(torch.ones(HID))
+        self.head = nn.Linear(HID, OUT)
+
+    def forward(self, x: torch.Tensor, use_extra: bool = False) -> torch.Tensor:
+        h = torch.tanh(self.norm(self.emb(x)))
+        h = torch.relu(self.hidden(h)) + self.frozen(h)
+        if use_extra:
+            h = h * self.extra
+        return self.head(h)
+
+
+def make_model(seed: int = 0) -> Net:
+    torch.manual_seed(seed)
+    return Net()
+
+
+def batch_size(worker: int, step: int, micro: int = 0) -> int:
+    """Different per worker and per step (equal across one worker's micro-batches)."""
+    return 3 + (worker + 2 * step) % 5
+
+
+def use_extra(worker: int, step: int) -> bool:
+    return step % 3 == 0 and worker % 2 == 0
+
+
+def batch(worker: int, step: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100_000 * step + 100 * worker + micro)
+    n = batch_size(worker, step, micro)
+    x = torch.randn(n, IN, generator=g)
+    y = torch.randint(0, OUT, (n,), generator=g)
+    return x, y
+
+
+def param_groups(model: Net, kind: str) -> list[dict]:
+    """Two groups with their own lr and weight decay (the head, and the rest)."""
+    head = [model.head.weight, model.head.bias]
+    rest = [p for n, p in model.named_parameters() if not n.startswith("head.")]
+    if kind in ("sgd", "clip"):
+        return [{"params": head, "lr": 0.05, "weight_decay": 1e-3}, {"params": rest}]
+    return [{"params": head, "lr": 3e-3, "weight_decay": 1e-2}, {"params": rest}]
+
+
+def make_optimizer(model: Net, kind: str) -> tuple[torch.optim.Optimizer, object | None]:
+    """The optimizer (and lr scheduler) of one test case."""
+    groups = param_groups(model, kind)
+    if kind in ("sgd", "clip"):
+        opt = torch.optim.SGD(groups, lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-4)
+        return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.3 * s))
+    if kind in ("adam", "accum", "nosync"):
+        opt = torch.optim.Adam(groups, lr=5e-3, weight_decay=1e-4)
+        return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    if kind == "adamw":
+        opt = torch.optim.AdamW(groups, lr=5e-3)
+        return opt, torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=8)
+    if kind == "rmsprop":
+        return torch.optim.RMSprop(groups, lr=2e-3, momentum=0.5, weight_decay=1e-4), None
+    if kind == "adagrad":
+        return torch.optim.Adagrad(groups, lr=0.05, weight_decay=1e-4), None
+    raise ValueError(kind)
+
+
+MICRO = {"accum": 3, "nosync": 2}  # micro-batches per step
+CLIP = 0.05
+
+
+def reference(kind: str, workers: int, steps: int, seed: int = 1) -> dict[str, torch.Tensor]:
+    """One process, the same optimizer, on the concatenation of every worker's batch, from the
+    model that worker 0 (the master, seed 1) builds."""
+    model = make_model(seed)
+    opt, sched = make_optimizer(model, kind)
+    loss_fn = nn.CrossEntropyLoss()
+    micro = MICRO.get(kind, 1)
+    for t in range(steps):
+        opt.zero_grad()
+        outs, ys = [], []
+        for w in range(workers):
+            for m in range(micro):
+                x, y = batch(w, t, m)
+                outs.append(model(x, use_extra(w, t)))
+                ys.append(y)
+        loss_fn(torch.cat(outs), torch.cat(ys)).backward()
+        if kind == "clip":
+            with_grad = [p for p in model.parameters() if p.grad is not None]
+            torch.nn.utils.clip_grad_norm_(with_grad, CLIP)
+        opt.step()
+        if sched is not None:
+            sched.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+HFA_LR, HFA_MOMENTUM = 0.05, 0.9
+
+
+def hfa_optimizer(model: Net) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=HFA_LR, momentum=HFA_MOMENTUM)
+
+
+def hfa_reference(
+    dc_sizes: list[int], k1: int, k2: int, steps: int, seed: int = 1
+) -> list[dict[str, torch.Tensor]]:
+    """An independent simulation of HFA: one model and optimizer per worker, datacenter
+    averages weighted by samples every K1 steps, every K2-th one over all workers."""
+    workers = sum(dc_sizes)
+    dcs = [list(range(sum(dc_sizes[:d]), sum(dc_sizes[: d + 1]))) for d in range(len(dc_sizes))]
+    models = [make_model(seed) for _ in range(workers)]
+    opts = [hfa_optimizer(m) for m in models]
+    loss_fn = nn.CrossEntropyLoss()
+    samples = [0] * workers
+    rounds = 0
+    for t in range(steps):
+        for w in range(workers):
+            x, y = batch(w, t)
+            opts[w].zero_grad()
+            loss_fn(models[w](x, use_extra(w, t)), y).backward()
+            opts[w].step()
+            samples[w] += len(y)
+        if (t + 1) % k1:
+            continue
+        rounds += 1
+        groups = [list(range(workers))] if rounds % k2 == 0 else dcs
+        with torch.no_grad():
+            for group in groups:
+                total = sum(samples[w] for w in group)
+                for ps in zip(*(models[w].parameters() for w in group)):
+                    avg = sum(p * samples[w] for p, w in zip(ps, group)) / total
+                    for p in ps:
+                        p.copy_(avg)
+        samples = [0] * workers
+    return [{k: v.detach().clone() for k, v in m.state_dict().items()} for m in models]

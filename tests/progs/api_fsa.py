@@ -1,0 +1,53 @@
+"""FSA through the public API: several optimizers in turn on one job; every worker saves its
+final state dict, and its LAN byte counter around each micro-batch of accumulation."""
+
+import json
+import sys
+
+import torch
+
+import geompi
+from tests.progs.api_common import CLIP, MICRO, batch, make_model, make_optimizer, use_extra
+
+out, dc_sizes, gs = sys.argv[1], tuple(map(int, sys.argv[2].split(","))), int(sys.argv[3])
+kinds = sys.argv[4].split(",")
+STEPS = 10
+
+geompi.init(dc_sizes=dc_sizes, global_servers=gs)
+w = geompi.worker_rank()
+stats = geompi.session.current().stats
+log = {}
+for kind in kinds:
+    model = make_model(seed=1 + w)  # different on every worker: the master's must win
+    opt, sched = make_optimizer(model, kind)
+    opt = geompi.DistributedOptimizer(
+        opt,
+        model,
+        sync="fsa",
+        bucket_mb=0.002,  # several buckets
+        max_grad_norm=CLIP if kind == "clip" else None,
+        backward_passes_per_step=MICRO[kind] if kind == "accum" else 1,
+    )
+    loss_fn = torch.nn.CrossEntropyLoss()
+    sent = []
+    micro = MICRO.get(kind, 1)
+    for t in range(STEPS):
+        opt.zero_grad()
+        for m in range(micro):
+            x, y = batch(w, t, m)
+            before = stats.sent["lan"]
+            loss = loss_fn(model(x, use_extra(w, t)), y) / micro
+            if kind == "nosync" and m < micro - 1:
+                with opt.no_sync():
+                    loss.backward()
+            else:
+                loss.backward()
+            sent.append(stats.sent["lan"] - before)
+        opt.step()
+        if sched is not None:
+            sched.step()
+    log[kind] = sent
+    torch.save(model.state_dict(), f"{out}/{kind}-w{w}.pt")
+geompi.finish()
+with open(f"{out}/sent-w{w}.json", "w") as f:
+    json.dump(log, f)

@@ -1,0 +1,63 @@
+"""HFA through the public API. ``sim``: uneven datacenters, momentum 0.9, sample weighting; every
+worker saves its final state. ``torch``: the same run next to torch's PostLocalSGDOptimizer with
+HierarchicalModelAverager over gloo among the workers (equal batches, even datacenters)."""
+
+import sys
+import zlib
+
+import torch
+
+import geompi
+from tests.progs.api_common import batch, hfa_optimizer, make_model, use_extra
+
+out, dc_sizes, gs, mode = sys.argv[1], tuple(map(int, sys.argv[2].split(","))), *sys.argv[3:5]
+K1, K2, STEPS = 2, 3, 12
+
+geompi.init(dc_sizes=dc_sizes, global_servers=int(gs))
+w, workers = geompi.worker_rank(), geompi.num_workers()
+
+
+def data(t):
+    """torch's averager weighs workers equally and skips parameters without a gradient (its
+    collective then mismatches), so the torch mode uses equal batches and no `extra`."""
+    x, y = batch(w, t)
+    return (x[:3], y[:3], False) if mode == "torch" else (x, y, use_extra(w, t))
+
+
+model = make_model(seed=1 + w)
+opt = geompi.DistributedOptimizer(
+    hfa_optimizer(model), model, sync=geompi.HFA(k1=K1, k2=K2), bucket_mb=0.002
+)
+loss_fn = torch.nn.CrossEntropyLoss()
+for t in range(STEPS):
+    x, y, extra = data(t)
+    opt.zero_grad()
+    loss_fn(model(x, extra), y).backward()
+    opt.step()
+assert opt.global_syncs == STEPS // (K1 * K2), opt.global_syncs
+torch.save(model.state_dict(), f"{out}/hfa-w{w}.pt")
+geompi.finish()
+
+if mode == "torch":
+    import torch.distributed as dist
+    from torch.distributed.algorithms.model_averaging.hierarchical_model_averager import (
+        HierarchicalModelAverager,
+    )
+    from torch.distributed.optim import PostLocalSGDOptimizer
+
+    port = 20000 + zlib.crc32(out.encode()) % 20000
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=w, world_size=workers
+    )
+    per_dc = dc_sizes[0] - 1
+    model = make_model(seed=1)
+    averager = HierarchicalModelAverager({K1: per_dc, K1 * K2: workers}, warmup_steps=0)
+    averager.step = 1  # average after steps K1, 2*K1, ... (not on the first call)
+    opt = PostLocalSGDOptimizer(hfa_optimizer(model), averager)
+    for t in range(STEPS):
+        x, y, extra = data(t)
+        opt.zero_grad()
+        loss_fn(model(x, extra), y).backward()
+        opt.step()
+    torch.save(model.state_dict(), f"{out}/torch-w{w}.pt")
+    dist.destroy_process_group()
