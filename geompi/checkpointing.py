@@ -249,9 +249,11 @@ class Checkpointing:
         ):
             return None
         per_state: dict[str, dict[str, torch.Tensor]] = dict(ck.optimizer)
-        for dc, named in ck.algorithm.get("dcasgd", {}).get("backup", {}).items():
-            if int(dc[2:]) < self.w.topo.num_dcs:  # datacenters that no longer exist drop out
-                per_state[f"backup_{dc}"] = named
+        if ck.algorithm.get("dcasgd", {}).get("backup"):
+            # Every datacenter restarts from /model (the INIT round), so that is what each one
+            # holds: the saved backups predate it. Datacenters new to this topology get it too.
+            for dc in range(self.w.topo.num_dcs):
+                per_state[f"backup_dc{dc}"] = ck.model
         outer = ck.algorithm.get("hfa", {}).get("outer_momentum", {})
         topo = self.w.topo
         out = []

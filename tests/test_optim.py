@@ -272,13 +272,13 @@ def test_dcasgd_adaptive_lambda() -> None:
     w_fixed = w.clone()
     # reference in float64, written from the formula
     ref = w.double()
-    ms = None
+    ms = torch.zeros(64, dtype=torch.float64)  # GeoMX: the moving average starts from 0
     backup: dict[int, torch.Tensor] = {}
     for dc, g in pushes:
         adaptive.step(0, w, g.clone(), dc=dc)
         fixed.step(0, w_fixed, g.clone(), dc=dc)
         g64 = g.double()
-        ms = g64 * g64 if ms is None else rho * ms + (1 - rho) * g64 * g64
+        ms = rho * ms + (1 - rho) * g64 * g64
         lam_t = lam / (torch.sqrt(ms) + eps)
         if dc in backup:
             ref = ref - lr * (g64 + lam_t * g64 * g64 * (ref - backup[dc]))
@@ -291,6 +291,91 @@ def test_dcasgd_adaptive_lambda() -> None:
     torch.testing.assert_close(state["backup_dc0"].double(), backup[0], rtol=1e-5, atol=1e-6)
     assert "meansquare" not in fixed.state_dict()[0]
     assert (w - w_fixed).abs().max() > 1e-3  # adaptive lambda really changes the result
+
+
+def _mxnet_dcasgd(w, g, bak, lr, lam, wd, ms=None, rho=0.95, eps=1e-7):
+    """MXNet's DCASGD step written out in float64 (GeoMX's adaptive lambda when ms is given):
+    w - lr * (g + wd*w + lam * g*g * (w - bak)), g the raw gradient."""
+    if ms is not None:
+        ms = rho * ms + (1 - rho) * g * g
+        lam = lam / (torch.sqrt(ms) + eps)
+    return w - lr * (g + wd * w + lam * g * g * (w - bak)), ms
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_dcasgd_first_update_is_compensated_against_init(adaptive) -> None:
+    # issue #12, 3: w_bak[d] starts at w0, which every datacenter pulled in the INIT round
+    lr, lam, wd = 0.2, 0.7, 0.05
+    gen = torch.Generator().manual_seed(12)
+    w0 = randn(gen)
+    w = w0.clone()
+    opt = ServerOptimizer(DCASGD(lr=lr, lam=lam, adaptive=adaptive, weight_decay=wd))
+    for dc in (0, 1, 2):
+        opt.pulled(3, dc, w)  # what the global server does when the INIT round is over
+    ref = w0.double()
+    bak = {dc: w0.double() for dc in (0, 1, 2)}
+    ms = torch.zeros(N, dtype=torch.float64) if adaptive else None
+    lag = []
+    for dc in (0, 1, 2, 1, 0, 0, 2):  # the first push of DCs 1 and 2 comes after others moved w
+        g = torch.sin(3 * w) + 0.5 * randn(gen)  # a gradient of what the server holds: nonlinear
+        lag.append(float((ref - bak[dc]).abs().max()))
+        opt.step(3, w, g.clone(), dc=dc)
+        ref, ms = _mxnet_dcasgd(ref, g.double(), bak[dc], lr, lam, wd, ms)
+        bak[dc] = ref.clone()
+        torch.testing.assert_close(w.double(), ref, rtol=1e-5, atol=1e-5)
+    assert lag[0] == 0.0 and min(lag[1:3]) > 0.1  # DCs 1 and 2 start behind: compensated
+
+
+def test_dcasgd_backup_is_what_the_datacenter_was_told_it_holds() -> None:
+    # issue #12, 4: with a lossy WAN codec a datacenter holds its replica, not w
+    lr, lam = 0.25, 0.5
+    gen = torch.Generator().manual_seed(13)
+    w = randn(gen)
+    opt = ServerOptimizer(DCASGD(lr=lr, lam=lam))
+    opt.pulled(0, 0, w)
+    opt.pulled(0, 1, w)
+    ref = w.double()
+    held = {0: ref.clone(), 1: ref.clone()}
+    for dc in (0, 1, 1, 0, 1):
+        g = torch.cos(2 * w) + randn(gen)
+        opt.step(0, w, g.clone(), dc=dc)
+        ref, _ = _mxnet_dcasgd(ref, g.double(), held[dc], lr, lam, 0.0)
+        replica = w.half().float()  # what a lossy pull left that datacenter with
+        opt.pulled(0, dc, replica)
+        held[dc] = replica.double()
+        torch.testing.assert_close(w.double(), ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(opt.state_dict()[0]["backup_dc1"], w.half().float())
+
+
+def test_dcasgd_weight_decay_is_not_squared() -> None:
+    # issue #12, 6: MXNet squares the raw gradient; weight decay is a separate term.
+    # w = 2, g = 1, wd = 0.5, lam = 0.25, lr = 0.5, w_bak = 1 (DC 0 pulled 1, then w moved to 2)
+    #   MXNet: 2 - 0.5 * (1 + 0.5*2 + 0.25 * 1*1 * (2 - 1)) = 2 - 0.5 * 2.25 = 0.875
+    #   (folding wd first would square g + wd*w = 2: 2 - 0.5 * (2 + 0.25*4*1) = 0.5)
+    opt = ServerOptimizer(DCASGD(lr=0.5, lam=0.25, weight_decay=0.5))
+    opt.pulled(0, 0, torch.tensor([1.0]))
+    w = torch.tensor([2.0])
+    opt.step(0, w, torch.tensor([1.0]), dc=0)
+    assert w.tolist() == [0.875]
+    assert opt.state_dict()[0]["backup_dc0"].tolist() == [0.875]
+
+
+def test_dcasgd_adaptive_meansquare_starts_from_zero() -> None:
+    # issue #12, 6: ms = rho*ms + (1 - rho)*g*g from 0; lam / (sqrt(ms) + eps)
+    # g = 2, rho = 0.75: ms = 0.25 * 4 = 1, lam_t = 0.5 / (1 + 0) = 0.5 (eps 0)
+    #   w = 3, bak = 1: 3 - 0.5 * (2 + 0.5 * 4 * 2) = 3 - 3 = 0 (ms from g*g = 4: lam_t 0.25 -> 1)
+    opt = ServerOptimizer(DCASGD(lr=0.5, lam=0.5, adaptive=True, rho=0.75, eps=0.0))
+    opt.pulled(0, 0, torch.tensor([1.0]))
+    w = torch.tensor([3.0])
+    opt.step(0, w, torch.tensor([2.0]), dc=0)
+    assert w.tolist() == [0.0]
+    assert opt.state_dict()[0]["meansquare"].tolist() == [1.0]
+
+
+def test_pulled_is_ignored_by_other_optimizers() -> None:
+    opt = ServerOptimizer(SGD(lr=0.1))
+    opt.pulled(0, 0, torch.ones(3))
+    assert opt.state_dict() == {}
 
 
 def test_dcasgd_state_round_trip() -> None:

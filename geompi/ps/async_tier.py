@@ -7,6 +7,8 @@ header to every global server, after which all of them create the windows togeth
 
 from __future__ import annotations
 
+import json
+import os
 import time
 
 import numpy as np
@@ -210,7 +212,7 @@ class AsyncGlobalServer(GlobalServer):
                 break
         if rnd is None:
             return
-        keys = rnd.keys
+        keys = self.key_sizes = rnd.keys
         self.offsets = {}
         off = 0
         for k, n in keys:
@@ -218,15 +220,18 @@ class AsyncGlobalServer(GlobalServer):
             self.offsets[k] = (off, hi - lo)
             off += hi - lo
         self.wins = _open_windows(self.link.comm, self.topo, keys, self.stats, None, self.codec)
-        if self.codec is not None:  # every datacenter received the INIT values exactly
-            for k in self.offsets:
-                for d in range(self.topo.num_dcs):
+        for k in self.offsets:  # every datacenter received the INIT values exactly
+            for d in range(self.topo.num_dcs):
+                if self.codec is not None:
                     self.codec.set_replica((k, d), self.values[k])
+                self._pulled(k, d)  # DCASGD: w_bak[d] starts at w0 (also after a resume)
         self.win = self.wins[self.index]
         self.staleness: list[tuple[int, int, float]] = []  # (dc, staleness, seconds) per update
         self.t0 = time.perf_counter()
         self.last_version = [0] * self.topo.num_dcs
+        self.deposits: list[dict] = []  # applied order: what GEOMPI_TEST_DEPOSIT_LOG writes
         self._serve_async()
+        self._write_deposit_log()
 
     def _serve_async(self) -> None:
         win, ndc = self.win, self.topo.num_dcs
@@ -273,18 +278,40 @@ class AsyncGlobalServer(GlobalServer):
                 total = codec.decode_push(slot[off : off + codec.nbytes(n)].clone(), n)
             self.apply(Round(Op.GRAD, 0, [], weight, 0, flags), k, total, weight, dc=d)
             result = self.values[k] if codec is None else codec.encode_pull((k, d), self.values[k])
+            self._pulled(k, d)  # also after a skipped (weight 0) deposit: d fetches w anyway
             result = result.contiguous().view(torch.uint8)
             slot[off : off + result.numel()] = result
             off += region_bytes(codec, n)
         win.data_unlock()
         self.stats.received[WAN] += off  # what the deposit brought in (counted here, at the owner)
         self.staleness.append((d, version - self.last_version[d], time.perf_counter() - self.t0))
+        ticket = int(per_dc(ctrl, d, PENDING))
+        self.deposits.append({"dc": d, "ticket": ticket, "weight": float(weight), "keys": keys})
         win.lock_self()
         win.ctrl[VERSION] = version + 1
         set_per_dc(win.ctrl, d, UPDATES, per_dc(win.ctrl, d, UPDATES) + 1)
         set_per_dc(win.ctrl, d, PENDING, 0)
         win.unlock_self()
         self.last_version[d] = version + 1
+
+    def _pulled(self, k: int, d: int) -> None:
+        """Tell the optimizer what datacenter d holds of key k now: with a codec its replica
+        (what ``decode_pull`` gave it), else the values themselves."""
+        if self.optimizer is None:
+            return
+        n = self.offsets[k][1]
+        held = self.values[k] if self.codec is None else self.codec.reference((k, d), n)
+        self.optimizer.pulled(k, d, held)
+
+    def _write_deposit_log(self) -> None:
+        """Test hook: ``GEOMPI_TEST_DEPOSIT_LOG=DIR`` writes the applied deposits (dc, ticket,
+        weight, keys) in order, and this server's slice of each key, to DIR/deposits-g<i>.json."""
+        directory = os.environ.get("GEOMPI_TEST_DEPOSIT_LOG")
+        if not directory:
+            return
+        bounds = {k: self.topo.shard_bounds(n, self.index) for k, n in self.key_sizes}
+        with open(os.path.join(directory, f"deposits-g{self.index}.json"), "w") as f:
+            json.dump({"index": self.index, "bounds": bounds, "deposits": self.deposits}, f)
 
     def _publish_final(self) -> None:
         """Every slot gets the final parameters, then ALL_DONE releases the local servers."""

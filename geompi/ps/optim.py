@@ -55,8 +55,10 @@ class AdamW(Adam):
 class DCASGD:
     """Delay-compensated async SGD (Zheng et al. 2017) with one backup per datacenter.
 
-    ``w <- w - lr * (g + lam * g*g * (w - w_bak[d]))``. With ``adaptive``, lam is
-    ``lam / sqrt(meansquare)``, meansquare a moving average (``rho``) of g*g.
+    MXNet's rule: ``w <- w - lr * (g + wd * w + lam * g*g * (w - w_bak[d]))``, then
+    ``w_bak[d]`` is what datacenter d pulled (``ServerOptimizer.pulled``). ``g*g`` squares the
+    raw gradient: weight decay is not folded in. With ``adaptive``, lam is
+    ``lam / (sqrt(ms) + eps)``, ``ms <- rho * ms + (1 - rho) * g*g`` starting from 0.
     """
 
     lr: float = 0.1
@@ -127,26 +129,40 @@ class ServerOptimizer:
     def _make_torch(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
         return torch_optimizer(self.spec, params)
 
+    def pulled(self, key: int, dc: int, held: torch.Tensor) -> None:
+        """Datacenter ``dc`` now holds ``held`` for ``key``: DCASGD's backup ``w_bak[dc]``.
+
+        The server calls it with what the datacenter really received: the INIT values for
+        every datacenter, and after each of its deposits (also a skipped one) the new value,
+        or with a lossy WAN codec that datacenter's replica. Other optimizers ignore it.
+        """
+        if not isinstance(self.spec, DCASGD):
+            return
+        st = self.state.setdefault(key, {})
+        bak = st.get(f"backup_dc{dc}")
+        if bak is None or bak.shape != held.shape:
+            st[f"backup_dc{dc}"] = held.detach().clone()
+        else:
+            bak.copy_(held)
+
     def _dcasgd(self, key: int, w: torch.Tensor, g: torch.Tensor, dc: int | None) -> None:
         s = self.spec
         st = self.state.setdefault(key, {})
-        if s.weight_decay:
-            g = g + s.weight_decay * w
-        bak_name = f"backup_dc{0 if dc is None else dc}"
-        bak = st.get(bak_name)
+        gg = g * g  # the raw gradient, as MXNet squares it: weight decay stays outside
         lam: float | torch.Tensor = s.lam
         if s.adaptive:
             ms = st.get("meansquare")
-            gg = g * g
-            ms = gg.clone() if ms is None else ms.mul_(s.rho).add_(gg, alpha=1 - s.rho)
-            st["meansquare"] = ms
+            if ms is None:
+                ms = st["meansquare"] = torch.zeros_like(g)
+            ms.mul_(s.rho).add_(gg, alpha=1 - s.rho)
             lam = s.lam / (ms.sqrt() + s.eps)
-        if bak is None or dc is None:
-            w.add_(g, alpha=-s.lr)  # no backup yet (or synchronous): w == w_bak
-        else:
-            w.add_(g + lam * g * g * (w - bak), alpha=-s.lr)  # lam = 0: exactly SGD
+        d = g.add(w, alpha=s.weight_decay) if s.weight_decay else g
+        bak = None if dc is None else st.get(f"backup_dc{dc}")
+        if bak is not None:  # synchronous (dc None): every datacenter holds w, w - w_bak = 0
+            d = d + lam * gg * (w - bak)  # lam = 0: exactly SGD
+        w.add_(d, alpha=-s.lr)
         if dc is not None:
-            st[bak_name] = w.clone()  # datacenter dc pulls exactly this
+            self.pulled(key, dc, w)  # uncompressed, datacenter dc pulls exactly this
 
     # ---- state for checkpoints ------------------------------------------------------------
     def state_dict(self) -> dict[int, dict[str, torch.Tensor]]:
