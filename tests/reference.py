@@ -42,3 +42,42 @@ def large_batch_sgd(
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys(), (sorted(a), sorted(b))
     return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+# ---- models for the WAN fidelity tests (tests/progs/wan_fidelity.py and its replays) ------
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; the backward multiplies by ``scale`` (loss scaling, as GradScaler)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return g * ctx.scale, None
+
+
+class FidelityNet(torch.nn.Module):
+    """A small tanh MLP; ``loss_scale`` multiplies every gradient (pushes beyond fp16's range);
+    ``frozen`` makes each gradient depend on the batch only, never on the parameters
+    (so asynchronous rounds can be replayed whatever order they landed in)."""
+
+    def __init__(self, features: int, classes: int, loss_scale: float = 1.0, frozen=False):
+        super().__init__()
+        self.l1 = torch.nn.Linear(features, 24)
+        self.l2 = torch.nn.Linear(24, classes)
+        self.loss_scale = loss_scale
+        self.frozen = frozen
+        # fixed projections: not parameters, not buffers (the same on every rank by the seed)
+        self.proj = torch.randn(features, classes) * 0.3
+        self.proj_h = torch.randn(features, 24) * 0.3
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.flatten(1)
+        if self.frozen:  # the value is x @ proj; the gradient is that of a linear model
+            lin = self.l2(torch.tanh(x @ self.proj_h)) + self.l1(x)[:, : self.l2.out_features]
+            out = (x @ self.proj) + lin - lin.detach()
+        else:
+            out = self.l2(torch.tanh(self.l1(x)))
+        return _ScaleGrad.apply(out, self.loss_scale) if self.loss_scale != 1.0 else out

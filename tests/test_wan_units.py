@@ -9,7 +9,7 @@ from geompi.comm.buffers import all_finite
 from geompi.comm.compression import ErrorFeedback, TopKCompressor, make_compressor
 from geompi.comm.linkmodel import Channel, LinkModel, parse_duration, parse_rate
 from geompi.config import make_config
-from geompi.errors import ConfigError
+from geompi.errors import ConfigError, NonFiniteError
 from geompi.ps.wan import TierCodec
 
 
@@ -93,17 +93,60 @@ def test_payload_size_is_what_the_compressor_announces(spec):
 
 
 def test_ratios():
-    assert make_compressor("fp16").ratio(1000) == 2.0
+    # fp16: 2 bytes a value plus one fp32 scale per 1024 values; bf16: exactly half
+    assert make_compressor("fp16").payload_nbytes(1000) == 2000 + 4
+    assert make_compressor("fp16").payload_nbytes(2049) == 2 * 2049 + 3 * 4
+    assert make_compressor("fp16").ratio(4096) == 4 * 4096 / (2 * 4096 + 16)
     assert make_compressor("bf16").ratio(1000) == 2.0
     assert make_compressor("topk:0.01").ratio(100_000) == 50.0  # 4 bytes -> (4 + 4) / 100
     assert make_compressor("none").ratio(10) == 1.0
 
 
 def test_casts_round_like_torch():
+    """In fp16's normal range a power-of-two scale changes no rounding: the cast's result."""
     x = torch.randn(1000) * 100
+    x = x[x.abs() > 1e-2]
     for spec, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
         c = make_compressor(spec)
-        assert torch.equal(c.decompress(c.compress(x), 1000), x.to(dtype).float())
+        assert torch.equal(c.decompress(c.compress(x), x.numel()), x.to(dtype).float())
+
+
+def test_fp16_carries_values_far_beyond_65504():
+    """A sample-weighted sum is often beyond fp16's range: each chunk keeps 11 bits of its
+    largest magnitude, never inf. Checked against the bound, not against the codec."""
+    torch.manual_seed(1)
+    n = 3 * 1024 + 5
+    x = torch.randn(n) * torch.logspace(-3, 9, n)  # 1e-3 ... 1e9, one range per chunk
+    x[7] = -3e38  # near fp32's largest
+    c = make_compressor("fp16")
+    y = c.decompress(c.compress(x), n)
+    assert torch.isfinite(y).all()
+    assert (x.to(torch.float16).isinf()).sum() > 1000  # a plain cast would send inf
+    chunk_max = torch.nn.functional.pad(x.abs(), (0, -n % 1024)).view(-1, 1024).amax(1)
+    bound = chunk_max.repeat_interleave(1024)[:n] * 2.0**-11
+    assert ((y - x).abs() <= bound).all()
+
+
+def test_fp16_keeps_small_values_that_a_cast_flushes_to_zero():
+    x = torch.full((100,), 1e-9)
+    c = make_compressor("fp16")
+    assert x.to(torch.float16).eq(0).all()
+    assert torch.allclose(c.decompress(c.compress(x), 100), x, rtol=2.0**-11, atol=0)
+
+
+def test_bf16_needs_no_scale_and_never_overflows():
+    c = make_compressor("bf16")
+    x = torch.tensor([3.4e38, -3.4e38, 1e30, 1.0])  # the top of fp32 rounds to inf in bf16
+    assert x.to(torch.bfloat16).isinf().any()
+    y = c.decompress(c.compress(x), 4)
+    assert torch.isfinite(y).all() and torch.allclose(y, x, rtol=2.0**-7)
+
+
+@pytest.mark.parametrize("spec", ["fp16", "bf16"])
+def test_casts_refuse_nonfinite_in_one_line(spec):
+    with pytest.raises(NonFiniteError) as e:
+        make_compressor(spec).compress(torch.tensor([1.0, float("inf")]))
+    assert "--wan-compression " + spec in str(e.value) and "\n" not in str(e.value)
 
 
 def test_topk_keeps_the_largest_values_exactly():
@@ -124,21 +167,64 @@ def test_error_feedback_sends_everything_eventually():
         x = torch.randn(50)
         total += x
         sent += c.decompress(ef.compress("k", x), 50)
+        ef.commit()
     assert torch.allclose(sent + ef.residual["k"], total, atol=1e-5)
     ef2 = ErrorFeedback(TopKCompressor(0.1))
     sent = torch.zeros(50)
     for _ in range(200):
         sent += c.decompress(ef2.compress("k", torch.ones(50)), 50)
+        ef2.commit()
     assert torch.allclose(sent / 200, torch.ones(50), atol=0.06)
 
 
 def test_error_feedback_skips_a_nonfinite_round():
     ef = ErrorFeedback(make_compressor("topk:0.5"))
     ef.compress("k", torch.tensor([1.0, 2.0]))
+    ef.commit()
     before = ef.residual["k"].clone()
     payload = ef.compress("k", torch.tensor([float("nan"), 1.0]))
+    ef.commit()
     assert torch.equal(ef.residual["k"], before)
     assert torch.isfinite(ef.compressor.decompress(payload, 2)).all()
+
+
+def test_error_feedback_discard_keeps_a_skipped_rounds_residuals():
+    """A round whose data the global servers drop (weight 0): its finite keys' residuals
+    must be the ones from before it, so the next round sends them."""
+    ef = ErrorFeedback(TopKCompressor(0.5))
+    ef.compress("a", torch.tensor([4.0, 1.0]))
+    ef.compress("b", torch.tensor([-2.0, 0.5]))
+    ef.commit()
+    before = {k: v.clone() for k, v in ef.residual.items()}  # a: [0, 1], b: [0, 0.5]
+    ef.compress("a", torch.tensor([0.0, 3.0]))
+    ef.compress("b", torch.tensor([float("nan"), 0.0]))
+    ef.discard()
+    assert all(torch.equal(ef.residual[k], v) for k, v in before.items())
+    sent = ef.compressor.decompress(ef.compress("a", torch.tensor([0.0, 0.0])), 2)
+    assert torch.equal(sent, torch.tensor([0.0, 1.0]))
+
+
+def test_fp16_pull_beyond_its_range_keeps_the_replicas_equal_and_finite():
+    """The pull direction: a global server's change since the replica can exceed 65504."""
+    gs, ls = TierCodec(make_compressor("fp16")), TierCodec(make_compressor("fp16"))
+    values = torch.randn(3000) * 1e6
+    out = torch.empty(3000)
+    for _ in range(3):
+        ls.decode_pull("k", gs.encode_pull("k", values), out)
+        assert torch.isfinite(out).all() and torch.equal(gs.replica["k"], ls.replica["k"])
+    assert torch.allclose(out, values, rtol=1e-6, atol=1e-3)
+
+
+def test_fp16_hfa_push_of_a_large_weighted_difference():
+    """An HFA push is the weighted sum less weight x replica: beyond 65504 for large models'
+    values or weights. What it leaves out stays in the model, finite."""
+    ls = TierCodec(make_compressor("fp16"))
+    ls.set_replica("k", torch.zeros(2000))
+    params = torch.randn(2000) * 100
+    payload = ls.encode_push("k", 5000.0 * params, ref_weight=5000.0)  # 5000 samples
+    sent = ls.compressor.decompress(payload, 2000) / 5000.0
+    assert torch.isfinite(sent).all() and torch.allclose(sent, params, rtol=1e-3)
+    assert torch.isfinite(ls.kept["k"]).all()
 
 
 def test_pull_replicas_stay_identical_and_converge():

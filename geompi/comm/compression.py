@@ -15,7 +15,7 @@ import math
 import torch
 
 from geompi.comm.buffers import all_finite
-from geompi.errors import ConfigError
+from geompi.errors import ConfigError, NonFiniteError
 
 
 class Compressor:
@@ -41,23 +41,65 @@ class Compressor:
         return 4 * n / max(1, self.payload_nbytes(n))
 
 
+#: Values per fp32 scale in an fp16 payload.
+FP16_CHUNK = 1024
+_BF16_MAX = float(torch.finfo(torch.bfloat16).max)
+
+
 class CastCompressor(Compressor):
-    """fp16 or bf16: exactly half the bytes. fp16 saturates at +-65504 (like a cast does)."""
+    """fp16 or bf16, 2 bytes a value. fp16 adds one fp32 scale per ``FP16_CHUNK`` values.
+
+    fp16 tops out at 65504, but a push (a sum of n_i * g_i, or an HFA difference) often does
+    not; each chunk is divided by a power of two that puts its largest magnitude in [2^14,
+    2^15), so every finite fp32 value fits (and small ones do not underflow). bf16 has fp32's
+    exponent range: its values travel as they are, clamped to bf16's largest finite value.
+    A non-finite input raises NonFiniteError: nothing turns into inf on the wire.
+    """
 
     lossy = True
 
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype
         self.name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+        self.scaled = dtype == torch.float16
+
+    def _chunks(self, n: int) -> int:
+        return -(-n // FP16_CHUNK) if self.scaled else 0
 
     def payload_nbytes(self, n: int) -> int:
-        return 2 * n
+        """2 bytes a value, plus (fp16) 4 bytes per chunk of ``FP16_CHUNK`` values."""
+        return 2 * n + 4 * self._chunks(n)
 
     def compress(self, x: torch.Tensor) -> torch.Tensor:
-        return x.to(self.dtype).view(torch.uint8)
+        """fp16: the chunks' fp32 scales, then the scaled fp16 values; bf16: the values."""
+        if not all_finite(x):
+            raise NonFiniteError(
+                f"--wan-compression {self.name} was given a NaN or Inf to send: the global "
+                "tier's values diverged; lower --lr or check the data"
+            )
+        x = x.float().reshape(-1)
+        if not self.scaled:
+            return x.clamp(-_BF16_MAX, _BF16_MAX).to(self.dtype).view(torch.uint8)
+        n, c = x.numel(), self._chunks(x.numel())
+        padded = torch.zeros(c * FP16_CHUNK, dtype=torch.float32)
+        padded[:n] = x
+        rows = padded.view(c, FP16_CHUNK)
+        _, exp = torch.frexp(rows.abs().amax(dim=1))  # amax = m * 2^exp, m in [0.5, 1)
+        # 2^(exp - 15) built from its bits, so it is exact; >= 2^-126 keeps it a normal fp32
+        bits = ((exp.to(torch.int32) - 15).clamp(-126, 127) + 127) << 23
+        scales = bits.view(torch.float32)
+        values = rows.div_(scales[:, None]).reshape(-1)[:n].to(torch.float16)
+        return torch.cat([scales.view(torch.uint8), values.view(torch.uint8)])
 
     def decompress(self, payload: torch.Tensor, n: int) -> torch.Tensor:
-        return payload.view(self.dtype).to(torch.float32)
+        if not self.scaled:
+            return payload.view(self.dtype).to(torch.float32)
+        c = self._chunks(n)
+        scales = payload[: 4 * c].view(torch.float32)
+        out = torch.zeros(c * FP16_CHUNK, dtype=torch.float32)
+        out[:n] = payload[4 * c : 4 * c + 2 * n].view(torch.float16)
+        out.view(c, FP16_CHUNK).mul_(scales[:, None])
+        return out[:n]
 
 
 class TopKCompressor(Compressor):
@@ -115,24 +157,52 @@ def make_compressor(spec: str | None) -> Compressor:
 
 
 class ErrorFeedback:
-    """Per-key residuals at a sender: what compression dropped goes out with the next vector."""
+    """Per-key residuals at a sender: what compression dropped goes out with the next vector.
+
+    A round's new residuals are staged by ``compress`` and take effect at ``commit`` (the
+    round was delivered); ``discard`` drops them (a skipped round, whose data the receiver
+    throws away), so a skipped round consumes nothing.
+    """
 
     def __init__(self, compressor: Compressor) -> None:
         self.compressor = compressor
         self.residual: dict = {}
+        self.staged: dict = {}
+        self._spare: dict = {}  # key -> a residual-sized buffer to reuse
 
     def compress(self, key, x: torch.Tensor) -> torch.Tensor:
-        """The payload for ``x`` plus this key's residual; keeps the new residual.
+        """The payload for ``x`` plus this key's residual; stages the new residual.
 
-        A non-finite ``x`` (a round the local server skips) leaves the residual alone.
+        A non-finite ``x`` (a round the local server skips) stages nothing.
         """
         c = self.compressor
         if not c.lossy:
             return c.compress(x)
-        r = self.residual.get(key)
         if not all_finite(x):
             return c.compress(torch.zeros_like(x))
-        v = x.float().clone() if r is None else r.add_(x)
+        r = self.residual.get(key)
+        v = self._spare.pop(key, None)
+        if v is None or v.numel() != x.numel():
+            v = torch.empty(x.numel(), dtype=torch.float32)
+        if r is None or r.numel() != x.numel():
+            v.copy_(x.reshape(-1))
+        else:
+            torch.add(r, x.reshape(-1), out=v)
         payload = c.compress(v)
-        self.residual[key] = v.sub_(c.decompress(payload, v.numel()))
+        self.staged[key] = v.sub_(c.decompress(payload, v.numel()))
         return payload
+
+    def commit(self) -> None:
+        """The staged round was delivered: its residuals become the current ones."""
+        for key, v in self.staged.items():
+            old = self.residual.get(key)
+            if old is not None:
+                self._spare[key] = old
+            self.residual[key] = v
+        self.staged.clear()
+
+    def discard(self) -> None:
+        """The staged round was thrown away: keep the residuals it started from."""
+        for key, v in self.staged.items():
+            self._spare[key] = v
+        self.staged.clear()

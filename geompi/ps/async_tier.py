@@ -93,6 +93,8 @@ class AsyncUplink:
         self._respect_staleness()
         keys, ids = self.rnd.keys, [k for k, _ in self.rnd.keys]
         packed = [self._pack(g, keys, self.bufs) for g in range(len(self.wins))]
+        if self.sync.codec is not None:  # weight 0: the global servers skip this deposit
+            self.sync.codec.end_push(weight > 0)
         wan = self.sync.wan  # an emulated link releases the deposits one after the other
         due = [wan.up.schedule(p.numel() * 4) for p in packed] if wan is not None else None
         for g, win in enumerate(self.wins):

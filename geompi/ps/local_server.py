@@ -118,6 +118,8 @@ class SyncUplink:
         self.sends.test()
 
     def end(self, weight: float) -> None:
+        if self._compressed():  # a skipped gradient round (weight 0) is thrown away
+            self.codec.end_push(self.rnd.op is not Op.GRAD or weight > 0)
         trailer = torch.tensor([weight], dtype=torch.float64)
         self._keep.append(trailer)
         for gs in self._servers():

@@ -75,7 +75,8 @@ class TierCodec:
     def encode_push(self, rkey, x: torch.Tensor, ref_weight: float = 0.0) -> torch.Tensor:
         """A push's payload.
 
-        A gradient (``ref_weight`` 0) goes out with error feedback. An HFA average (``x`` the
+        A gradient (``ref_weight`` 0) goes out with error feedback, its residual staged until
+        ``end_push``. An HFA average (``x`` the
         datacenter's parameters times ``ref_weight``) goes out as its change from the replica;
         what compression leaves out stays in the datacenter's model (see ``decode_pull``) and
         so goes out with the next global round: error feedback through the model.
@@ -87,6 +88,14 @@ class TierCodec:
         kept = delta.sub_(self.compressor.decompress(payload, x.numel())).div_(ref_weight)
         self.kept[rkey] = kept
         return payload
+
+    def end_push(self, delivered: bool) -> None:
+        """A round's pushes are all encoded: keep their residuals if the global servers use
+        them (``delivered``), else roll back, so a skipped round loses no gradient."""
+        if delivered:
+            self.feedback.commit()
+        else:
+            self.feedback.discard()
 
     def decode_pull(self, rkey, payload: torch.Tensor, out: torch.Tensor) -> None:
         """Apply a pulled change to the replica; ``out`` becomes the new replica plus what
