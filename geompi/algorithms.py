@@ -43,7 +43,7 @@ class HFA:
     name: ClassVar[str] = "hfa"
     k1: int = 8
     k2: int = 4
-    weighting: str = "samples"  # or "uniform": every worker counts the same
+    weighting: str = "samples"  # or "uniform": every datacenter the same (GeoMX's)
     outer_optimizer: str = "sgd"  # or "nesterov" (DiLoCo's outer step)
     outer_lr: float = 1.0
     reset_optimizer: bool = False  # clear the local optimizer state at every global average

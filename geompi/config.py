@@ -261,7 +261,10 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--dcasgd", action="store_true", help="GeoMX alias for --optimizer dcasgd")
     a.add_argument("--k1", type=_int("--k1"), help="HFA: local steps per datacenter average")
     a.add_argument("--k2", type=_int("--k2"), help="HFA: datacenter averages per global one")
-    a.add_argument("--hfa-weighting", help="samples (default) or uniform (GeoMX)")
+    a.add_argument(
+        "--hfa-weighting",
+        help="samples (default) or uniform (GeoMX: every datacenter counts the same)",
+    )
     a.add_argument("--hfa-reset-optimizer", action="store_true", default=None)
     a.add_argument("--outer-optimizer", help="HFA global tier: sgd (default) or nesterov")
     a.add_argument("--outer-lr", type=_float, help="HFA outer learning rate (default 1)")

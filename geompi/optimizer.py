@@ -27,9 +27,10 @@ from geompi.algorithms import FSA, HFA, MixedSync, resolve, spec_json
 from geompi.comm.buckets import Buckets
 from geompi.comm.buffers import all_finite
 from geompi.comm.transport import LAN, Link
-from geompi.errors import ConfigError, NonFiniteError
+from geompi.errors import ConfigError, GeompiError, NonFiniteError
 from geompi.ps.client import PSClient
 from geompi.ps.protocol import FLAG_RAW, Op
+from geompi.sync.hfa import uniform_weight
 
 
 def DistributedOptimizer(  # noqa: N802 - a factory named like the class it returns, as Horovod's
@@ -51,6 +52,33 @@ def DistributedOptimizer(  # noqa: N802 - a factory named like the class it retu
     from geompi import session
 
     s = session.worker_session()
+    try:
+        server_spec = _validate(
+            optimizer, model, sync, s, bucket_mb, max_grad_norm, backward_passes_per_step
+        )
+    except GeompiError as e:  # the same on every worker, before any collective call
+        session.exit_identically(s, e)
+    engine = Synchronizer(
+        optimizer,
+        model,
+        resolve(sync),
+        s,
+        bucket_mb=bucket_mb,
+        max_grad_norm=max_grad_norm,
+        passes=backward_passes_per_step,
+        server_spec=server_spec,
+    )
+    base = type(optimizer)
+    optimizer.__class__ = type(f"Distributed{base.__name__}", (_Distributed, base), {})
+    optimizer._patch_step_function()  # torch's step hooks and profiling follow the new class
+    _rewrap_scheduler_step(optimizer)
+    optimizer._geompi = engine
+    engine.start()
+    return optimizer
+
+
+def _validate(optimizer, model, sync, s, bucket_mb, max_grad_norm, passes) -> dict | None:
+    """Check the arguments (identically on every worker); returns the global servers' spec."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigError(f"DistributedOptimizer needs a torch.optim.Optimizer, got {optimizer!r}")
     if isinstance(optimizer, _Distributed):
@@ -58,10 +86,8 @@ def DistributedOptimizer(  # noqa: N802 - a factory named like the class it retu
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"DistributedOptimizer needs the nn.Module it trains, got {model!r}")
     algo = resolve(sync)
-    if not (isinstance(backward_passes_per_step, int) and backward_passes_per_step >= 1):
-        raise ConfigError(
-            f"backward_passes_per_step={backward_passes_per_step!r}: must be a whole number >= 1"
-        )
+    if not (isinstance(passes, int) and passes >= 1):
+        raise ConfigError(f"backward_passes_per_step={passes!r}: must be a whole number >= 1")
     if max_grad_norm is not None and not (math.isfinite(max_grad_norm) and max_grad_norm > 0):
         raise ConfigError(f"max_grad_norm={max_grad_norm!r}: must be a finite number > 0")
     if not (math.isfinite(bucket_mb) and bucket_mb > 0):
@@ -79,22 +105,17 @@ def DistributedOptimizer(  # noqa: N802 - a factory named like the class it retu
                     "the optimizer holds a parameter that is not in the model: build it on "
                     "model.parameters() (or a subset of them)"
                 )
-    engine = Synchronizer(
-        optimizer,
-        model,
-        algo,
-        s,
-        bucket_mb=bucket_mb,
-        max_grad_norm=max_grad_norm,
-        passes=backward_passes_per_step,
-    )
-    base = type(optimizer)
-    optimizer.__class__ = type(f"Distributed{base.__name__}", (_Distributed, base), {})
-    optimizer._patch_step_function()  # torch's step hooks and profiling follow the new class
-    _rewrap_scheduler_step(optimizer)
-    optimizer._geompi = engine
-    engine.start()
-    return optimizer
+    for name, p in model.named_parameters():
+        if p.dtype != torch.float32:
+            raise ConfigError(
+                f"parameter {name} is {p.dtype}: geompi synchronizes fp32 parameters; keep "
+                "the model in fp32 and use torch.autocast for bf16/fp16 compute"
+            )
+    if isinstance(algo, MixedSync):
+        return {"optimizer": spec_json(algo.spec(optimizer))}
+    if isinstance(algo, HFA):
+        return {"outer": algo.outer()}
+    return None
 
 
 def _rewrap_scheduler_step(optimizer: torch.optim.Optimizer) -> None:
@@ -163,18 +184,14 @@ class Synchronizer:
         bucket_mb: float,
         max_grad_norm: float | None,
         passes: int,
+        server_spec: dict | None = None,
     ) -> None:
         self.opt, self.model, self.algo, self.s = optimizer, model, algo, session
+        self.server_spec = server_spec
         self.max_grad_norm = max_grad_norm
         self.passes = passes
         self.master = session.rank == 0
         named = list(model.named_parameters())
-        for name, p in named:
-            if p.dtype != torch.float32:
-                raise ConfigError(
-                    f"parameter {name} is {p.dtype}: geompi synchronizes fp32 parameters; keep "
-                    "the model in fp32 and use torch.autocast for bf16/fp16 compute"
-                )
         self.params = [p for _, p in named]
         self.buckets = Buckets(named, int(bucket_mb * 2**20))
         self.index = {id(p): i for i, p in enumerate(self.params)}
@@ -247,12 +264,7 @@ class Synchronizer:
     def start(self) -> None:
         """Tell the servers the algorithm, then the INIT round: the master's values for all."""
         self.s.send_job(self.algo.job(), self.opt)
-        spec = None
-        if isinstance(self.algo, HFA):
-            spec = {"outer": self.algo.outer()}
-        elif isinstance(self.algo, MixedSync):
-            spec = {"optimizer": spec_json(self.algo.spec(self.opt))}
-        self.init_round(spec)
+        self.init_round(self.server_spec)
 
     @torch.no_grad()
     def init_round(self, spec: dict | None = None) -> None:
@@ -469,7 +481,8 @@ class Synchronizer:
         """HFA: the datacenter average that the K1-th step made due (every K2-th is global)."""
         algo = self.algo
         self.average_due = False
-        self._average(1.0 if algo.weighting == "uniform" else float(self.hfa_samples))
+        uniform = algo.weighting == "uniform"
+        self._average(uniform_weight(self.client) if uniform else float(self.hfa_samples))
         self.hfa_samples = 0
         self.dc_rounds += 1
         if self.dc_rounds % algo.k2 == 0:

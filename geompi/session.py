@@ -164,6 +164,15 @@ def finish() -> None:
     s.comms.free()
 
 
+def exit_identically(s: Session, err: GeompiError) -> None:
+    """An error every worker raised alike (bad arguments): the master prints it, every worker
+    exits with status 2 (the launcher then stops the servers)."""
+    from geompi.runtime import exit_together
+
+    s.finished = True  # no collective goodbye at exit
+    exit_together(err, s.rank)
+
+
 def fail_together(s: Session, err: GeompiError | None) -> None:
     """Collective over the workers: if any of them failed, the master prints one line and every
     rank of the job stops (the servers too)."""

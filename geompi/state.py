@@ -32,13 +32,27 @@ def save(
     epoch: int = 0,
     metrics: dict | None = None,
 ) -> pathlib.Path | None:
-    """Write ``model`` (and ``optimizer``) to ``path`` on the master worker; other workers return
-    None at once. Atomic: a crash never leaves a half-written file under ``path``."""
+    """Write ``model`` (and ``optimizer``) to ``path``. Every worker calls it; the master writes
+    and the others wait until the file is complete. Atomic: a crash never leaves a half-written
+    file under ``path``. Returns the path on the master, None elsewhere."""
     from geompi import session
 
     s = session.current() if session._session is not None else None
-    if s is not None and s.rank != 0:
-        return None
+    written, err = None, None
+    if s is None or s.rank == 0:
+        try:
+            written = _write(path, model, optimizer, step, epoch, metrics, s)
+        except GeompiError as e:
+            err = e
+    if s is None:
+        if err is not None:
+            raise err
+        return written
+    session.fail_together(s, err)
+    return written
+
+
+def _write(path, model, optimizer, step, epoch, metrics, s) -> pathlib.Path:
     names = _param_names(model, optimizer)
     state, attrs = {}, {"name": "none"}
     if optimizer is not None:

@@ -99,3 +99,13 @@ def test_hfa_equals_torch_post_local_sgd_with_hierarchical_averager(tmp_path):
         ours = torch.load(tmp_path / f"hfa-w{w}.pt")
         theirs = torch.load(tmp_path / f"torch-w{w}.pt")
         assert max(float((ours[k] - theirs[k]).abs().max()) for k in ours) <= 1e-5, w
+
+
+def test_hfa_uniform_weighting_counts_every_datacenter_the_same(tmp_path):
+    """GeoMX's uniform rule on datacenters of 2 and 4 workers: not the per-worker mean."""
+    mpirun(10, ["-m", "mpi4py", prog("api_hfa.py"), str(tmp_path), "3,5", "2", "uniform"], 300)
+    refs = hfa_reference([2, 4], k1=2, k2=3, steps=12, uniform=True)
+    per_worker = hfa_reference([2, 4], k1=2, k2=3, steps=12)
+    got = torch.load(tmp_path / "hfa-w0.pt")
+    assert max(float((got[k] - refs[0][k]).abs().max()) for k in got) <= 1e-5
+    assert max(float((got[k] - per_worker[0][k]).abs().max()) for k in got) > 1e-4

@@ -39,3 +39,38 @@ def test_wan_bytes_per_step_fall_by_k1_k2(hfa):
     hfa_per_step = (r["hfa_24"]["wan_bytes"] - r["hfa_12"]["wan_bytes"]) / 12
     assert fsa_per_step / hfa_per_step == pytest.approx(4.0, rel=1e-9)  # K1 * K2 = 2 * 2
     assert r["hfa_24"]["global_syncs"] == 24 // 4
+
+
+@pytest.fixture(scope="module")
+def cli_uneven(tmp_path_factory):
+    out = tmp_path_factory.mktemp("hfa_cli_uneven")
+    mpirun(10, [prog("hfa_cli_uneven.py"), str(out)], timeout=300)
+    return out
+
+
+@pytest.mark.parametrize("weighting", ["samples", "uniform"])
+def test_cli_hfa_uneven_momentum_two_global_servers(cli_uneven, weighting):
+    """The CLI's HFA on datacenters of 2 and 4 workers, momentum 0.9, against a simulation."""
+    from geompi.models import build_model
+    from tests.progs.api_common import hfa_reference
+    from tests.reference import worker_loaders
+
+    out = cli_uneven
+    ds, loaders = worker_loaders("digits", 6, batch_size=7, seed=4)
+    models = []
+    for _ in range(6):
+        torch.manual_seed(4)
+        models.append(build_model("mlp", ds.input_shape, ds.num_classes))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in models]
+    ref = hfa_reference(
+        [2, 4],
+        k1=2,
+        k2=2,
+        steps=8,
+        uniform=weighting == "uniform",
+        models=models,
+        opts=opts,
+        batches=lambda w, t: loaders[w].next_batch(),
+    )
+    got = torch.load(out / f"{weighting}.pt")
+    assert max_abs_diff(got, ref[0]) <= 1e-5

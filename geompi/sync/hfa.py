@@ -8,8 +8,16 @@ from __future__ import annotations
 
 import torch
 
+from geompi.ps.client import PSClient
 from geompi.ps.protocol import Op
 from geompi.sync.base import Strategy
+
+
+def uniform_weight(client: PSClient) -> float:
+    """GeoMX's uniform weighting: every datacenter counts the same and, inside one, every
+    worker (its local server divides by its own workers), so a worker weighs 1 / its
+    datacenter's workers. The KVStore's HFA pushes use the same weight."""
+    return 1.0 / (client.link.comm.Get_size() - 1)
 
 
 class HFA(Strategy):
@@ -37,7 +45,11 @@ class HFA(Strategy):
         self.samples += n
         if self.steps % self.k1:
             return
-        self.exchange(Op.AVG, 1.0 if self.uniform else float(self.samples), scale_params=True)
+        self.exchange(
+            Op.AVG,
+            uniform_weight(self.client) if self.uniform else float(self.samples),
+            scale_params=True,
+        )
         self.samples = 0
         self.dc_rounds += 1
         if self.dc_rounds % self.k2 == 0:

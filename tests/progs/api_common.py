@@ -122,24 +122,40 @@ def hfa_optimizer(model: Net) -> torch.optim.Optimizer:
 
 
 def hfa_reference(
-    dc_sizes: list[int], k1: int, k2: int, steps: int, seed: int = 1
+    dc_sizes: list[int],
+    k1: int,
+    k2: int,
+    steps: int,
+    seed: int = 1,
+    uniform: bool = False,
+    models: list | None = None,
+    opts: list | None = None,
+    batches=None,
 ) -> list[dict[str, torch.Tensor]]:
     """An independent simulation of HFA: one model and optimizer per worker, datacenter
-    averages weighted by samples every K1 steps, every K2-th one over all workers."""
+    averages every K1 steps, every K2-th one over all workers. Weights: samples, or
+    ``uniform`` (GeoMX): 1 / the worker's datacenter size, so datacenters count the same."""
     workers = sum(dc_sizes)
     dcs = [list(range(sum(dc_sizes[:d]), sum(dc_sizes[: d + 1]))) for d in range(len(dc_sizes))]
-    models = [make_model(seed) for _ in range(workers)]
-    opts = [hfa_optimizer(m) for m in models]
+    dc_of = {w: d for d, members in enumerate(dcs) for w in members}
+    models = models or [make_model(seed) for _ in range(workers)]
+    opts = opts or [hfa_optimizer(m) for m in models]
+    batches = batches or (lambda w, t: (*batch(w, t), use_extra(w, t)))
     loss_fn = nn.CrossEntropyLoss()
-    samples = [0] * workers
+
+    def fresh() -> list[float]:
+        return [1.0 / dc_sizes[dc_of[w]] if uniform else 0.0 for w in range(workers)]
+
+    samples = fresh()
     rounds = 0
     for t in range(steps):
         for w in range(workers):
-            x, y = batch(w, t)
+            x, y, *extra = batches(w, t)
             opts[w].zero_grad()
-            loss_fn(models[w](x, use_extra(w, t)), y).backward()
+            loss_fn(models[w](x, *extra), y).backward()
             opts[w].step()
-            samples[w] += len(y)
+            if not uniform:
+                samples[w] += len(y)
         if (t + 1) % k1:
             continue
         rounds += 1
@@ -151,5 +167,5 @@ def hfa_reference(
                     avg = sum(p * samples[w] for p, w in zip(ps, group)) / total
                     for p in ps:
                         p.copy_(avg)
-        samples = [0] * workers
+        samples = fresh()
     return [{k: v.detach().clone() for k, v in m.state_dict().items()} for m in models]

@@ -1,6 +1,7 @@
-"""HFA through the public API. ``sim``: uneven datacenters, momentum 0.9, sample weighting; every
-worker saves its final state. ``torch``: the same run next to torch's PostLocalSGDOptimizer with
-HierarchicalModelAverager over gloo among the workers (equal batches, even datacenters)."""
+"""HFA through the public API. ``sim``: uneven datacenters, momentum 0.9, sample weighting (or
+``uniform``: GeoMX's); every worker saves its final state. ``torch``: the same run next to
+torch's PostLocalSGDOptimizer with HierarchicalModelAverager over gloo among the workers
+(equal batches, even datacenters)."""
 
 import sys
 import zlib
@@ -25,8 +26,9 @@ def data(t):
 
 
 model = make_model(seed=1 + w)
+weighting = "uniform" if mode == "uniform" else "samples"
 opt = geompi.DistributedOptimizer(
-    hfa_optimizer(model), model, sync=geompi.HFA(k1=K1, k2=K2), bucket_mb=0.002
+    hfa_optimizer(model), model, sync=geompi.HFA(k1=K1, k2=K2, weighting=weighting), bucket_mb=0.002
 )
 loss_fn = torch.nn.CrossEntropyLoss()
 for t in range(STEPS):

@@ -1,0 +1,136 @@
+"""More of the public API under mpirun, one mode per run (argv: out dir, mode).
+
+- ``buffers``: FSA with a BatchNorm on the input; every worker logs its buffers; a checkpoint at
+  step 3 is loaded into a fresh model and optimizer, which then trains on to step 6.
+- ``amp``: autocast + GradScaler under FSA and HFA, with an inf injected on one worker.
+- ``mixed``: MixedSync with the user's SGD (and DCASGD).
+- ``bad_sync`` / ``bad_mixed_optimizer`` / ``bad_checkpoint``: user errors.
+"""
+
+import json
+import sys
+
+import torch
+from torch import nn
+
+import geompi
+from tests.progs.api_common import IN, OUT, batch
+
+out, mode = sys.argv[1], sys.argv[2]
+geompi.init(dc_sizes=(3, 4), global_servers=2)
+w = geompi.worker_rank()
+loss_fn = nn.CrossEntropyLoss()
+
+
+class BNNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(IN, momentum=0.2)
+        self.body = nn.Sequential(nn.Linear(IN, 16), nn.Tanh(), nn.Linear(16, OUT))
+
+    def forward(self, x):
+        return self.body(self.bn(x))
+
+
+def train(model, opt, steps, start=0, scaler=None, autocast=None, inf_at=None):
+    losses = []
+    for t in range(start, steps):
+        x, y = batch(w, t)
+        opt.zero_grad()
+        if autocast:
+            with torch.autocast("cpu", dtype=autocast):
+                loss = loss_fn(model(x), y)
+        else:
+            loss = loss_fn(model(x), y)
+        losses.append(float(loss))
+        if inf_at is not None and (t, w) == inf_at:
+            loss = loss * float("inf")
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            opt.step()
+    return losses
+
+
+def dump(name, model, **extra):
+    torch.save({"model": model.state_dict(), **extra}, f"{out}/{name}-w{w}.pt")
+
+
+if mode == "buffers":
+    torch.manual_seed(1 + w)
+    model = BNNet()
+    opt = geompi.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2), model)
+    train(model, opt, 3)
+    geompi.save(f"{out}/ck3.h5", model=model, optimizer=opt, step=3)
+    dump("at3", model, opt=opt.state_dict())
+    train(model, opt, 6, start=3)
+    dump("full", model)
+    fresh = BNNet()  # a new model and optimizer resume from the file
+    opt2 = geompi.DistributedOptimizer(torch.optim.Adam(fresh.parameters(), lr=1e-2), fresh)
+    info = geompi.load(f"{out}/ck3.h5", model=fresh, optimizer=opt2)
+    dump("loaded", fresh, opt=opt2.state_dict(), step=info["step"])
+    train(fresh, opt2, 6, start=3)
+    dump("resumed", fresh)
+elif mode == "amp":
+    for sync in ("fsa", "hfa"):
+        algo = geompi.HFA(k1=2, k2=2) if sync == "hfa" else "fsa"
+        for kind in ("fp32", "amp"):
+            torch.manual_seed(1)
+            model = nn.Sequential(nn.Linear(IN, 32), nn.ReLU(), nn.Linear(32, OUT))
+            opt = geompi.DistributedOptimizer(
+                torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model, sync=algo
+            )
+            scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if kind == "amp" else None
+            before = {}
+            losses = []
+            for t in range(8):
+                if t == 3:
+                    before = {k: v.clone() for k, v in model.state_dict().items()}
+                losses += train(
+                    model,
+                    opt,
+                    t + 1,
+                    start=t,
+                    scaler=scaler,
+                    autocast=torch.bfloat16 if kind == "amp" else None,
+                    inf_at=(3, 1) if kind == "amp" else None,
+                )
+                if t == 3:
+                    after3 = {k: v.clone() for k, v in model.state_dict().items()}
+            dump(
+                f"{sync}-{kind}",
+                model,
+                losses=losses,
+                scale=scaler.get_scale() if scaler else None,
+                unchanged_at_inf=all(torch.equal(before[k], after3[k]) for k in before),
+            )
+elif mode == "mixed":
+    for name, algo in (("sgd", geompi.MixedSync()), ("dcasgd", geompi.MixedSync(dcasgd=True))):
+        torch.manual_seed(1)
+        model = nn.Sequential(nn.Linear(IN, 32), nn.Tanh(), nn.Linear(32, OUT))
+        momentum = 0.5 if name == "sgd" else 0.0
+        opt = geompi.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum), model, sync=algo
+        )
+        losses = train(model, opt, 40)
+        opt.geompi_close()  # the final global model arrives
+        dump(f"mixed-{name}", model, losses=losses)
+elif mode == "bad_sync":
+    model = nn.Linear(IN, OUT)
+    geompi.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, sync="nope")
+elif mode == "bad_mixed_optimizer":
+    model = nn.Linear(IN, OUT)
+    opt = torch.optim.RMSprop(model.parameters(), lr=0.1)
+    geompi.DistributedOptimizer(opt, model, sync="mixed")
+elif mode == "bad_checkpoint":
+    model = nn.Linear(IN, OUT)
+    opt = geompi.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    other = nn.Linear(IN + 1, OUT)
+    geompi.save(f"{out}/other.h5", model=other)
+    geompi.load(f"{out}/other.h5", model=model, optimizer=opt)
+geompi.finish()
+with open(f"{out}/done-w{w}.json", "w") as f:
+    json.dump({"mode": mode}, f)
