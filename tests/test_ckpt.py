@@ -185,8 +185,8 @@ def test_every_dataset_has_fletcher32_and_dtype(tmp_path):
 
 def test_chunk_by_chunk_writer_matches_hdf5(tmp_path, monkeypatch):
     """Our own fletcher32 (large datasets) must be what HDF5 checks on read, partial chunks too."""
-    monkeypatch.setattr(ckpt, "_DIRECT_MIN_BYTES", 0)
-    monkeypatch.setattr(ckpt, "_CHUNK_BYTES", 1000)
+    monkeypatch.setattr(ckpt.writer, "_DIRECT_MIN_BYTES", 0)
+    monkeypatch.setattr(ckpt.format, "_CHUNK_BYTES", 1000)
     g = torch.Generator().manual_seed(1)
     model = {
         "odd_bytes": torch.randint(0, 256, (4001,), dtype=torch.uint8, generator=g),
