@@ -382,10 +382,14 @@ def test_killed_writer_leaves_previous_checkpoint_intact(tmp_path):
         "ckpt.save(sys.argv[1], model=model, step=2)\n"
     )
     proc = subprocess.Popen([sys.executable, "-c", child, str(final)], env=ENV, cwd=REPO)
-    tmp = tmp_path / f".{final.name}.tmp-{proc.pid}"
     deadline = time.monotonic() + 60
+
+    def partial() -> bool:  # the temporary name is .NAME.tmp-HOST-PID-RANDOM
+        tmps = list(tmp_path.glob(f".{final.name}.tmp-*-{proc.pid}-*"))
+        return bool(tmps) and tmps[0].stat().st_size > 16 << 20  # mid-way through 200 MB
+
     try:
-        while not (tmp.exists() and tmp.stat().st_size > 16 << 20):  # mid-way through 200 MB
+        while not partial():
             assert proc.poll() is None, "the writer finished or failed before it was killed"
             assert time.monotonic() < deadline, "the writer never started writing"
             time.sleep(0.001)

@@ -5,10 +5,19 @@ from __future__ import annotations
 import os
 import pathlib
 import re
+import secrets
+import socket
 
 import numpy as np
 
 _CKPT_RE = re.compile(r"^ckpt-(\d+)\.h5$")
+_CREATE = (
+    os.O_WRONLY
+    | os.O_CREAT
+    | os.O_EXCL
+    | getattr(os, "O_NOFOLLOW", 0)
+    | getattr(os, "O_CLOEXEC", 0)
+)
 
 
 def checkpoint_name(step: int) -> str:
@@ -70,8 +79,40 @@ def _reason(e: BaseException) -> str:
     return str(e).splitlines()[0] if str(e) else type(e).__name__
 
 
-def _remove_quietly(p: pathlib.Path) -> None:
+def _remove_quietly(p: pathlib.Path | None) -> None:
+    if p is None:
+        return
     try:
         p.unlink(missing_ok=True)
     except OSError:
         pass
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname())[:64] or "host"
+
+
+def create_temp(directory: str | os.PathLike, name: str) -> tuple[int, pathlib.Path]:
+    """Create a new empty file ``.NAME.tmp-HOST-PID-RANDOM`` in `directory`; (fd, path).
+
+    O_CREAT|O_EXCL|O_NOFOLLOW: never opens what is already there (a symlink someone planted in
+    a shared directory), and the name is unique across nodes and unpredictable. The mode is
+    0666 less the umask, like any file the process creates.
+    """
+    d = pathlib.Path(directory)
+    for _ in range(100):
+        tmp = d / f".{name}.tmp-{_host()}-{os.getpid()}-{secrets.token_hex(8)}"
+        try:
+            return os.open(tmp, _CREATE, 0o666), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free temporary name for {name} in {d}")
+
+
+def same_file(fd: int, path: pathlib.Path) -> bool:
+    """Whether `path` (not followed if a symlink) is still the file open as `fd`."""
+    try:
+        a, b = os.fstat(fd), os.lstat(path)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from geompi.ckpt.checksum import _fletcher32_padded
-from geompi.ckpt.files import _fsync_path, _reason, _remove_quietly
+from geompi.ckpt.files import _fsync_path, _reason, _remove_quietly, create_temp, same_file
 from geompi.ckpt.format import (
     _DIRECT_MIN_BYTES,
     _DTYPE_NAME,
@@ -362,14 +362,23 @@ def save(
     }
 
     directory = path.parent
-    tmp = directory / f".{path.name}.tmp-{os.getpid()}"
+    tmp: pathlib.Path | None = None
+    fd = -1
     try:
         directory.mkdir(parents=True, exist_ok=True)
+        fd, tmp = create_temp(directory, path.name)  # exclusive: never through a symlink
         with h5py.File(tmp, "w", libver=_LIBVER, track_order=True, **_LOCKING) as f:
+            if not same_file(fd, tmp):  # replaced between our create and HDF5's open
+                raise CheckpointError(
+                    f"cannot write checkpoint to {directory}: the temporary file {tmp.name} was "
+                    "replaced by someone else while geompi wrote it; pass a --checkpoint-dir "
+                    "only you can write to"
+                )
             with _Flusher(tmp) as flusher:
                 _write_node(f, root, flusher)
         _fsync_path(tmp)
         os.replace(tmp, path)
+        tmp = None
         _fsync_path(directory, directory=True)
     except OSError as e:
         _remove_quietly(tmp)
@@ -380,4 +389,7 @@ def save(
     except BaseException:
         _remove_quietly(tmp)
         raise
+    finally:
+        if fd >= 0:
+            os.close(fd)
     return path
