@@ -16,6 +16,8 @@ import json
 import os
 import pathlib
 import re
+import socket
+import tempfile
 from collections import defaultdict
 
 import torch
@@ -32,9 +34,11 @@ def check_writable(directory: str) -> None:
     """Fail at start-up, not after hours of training, if checkpoints cannot be written."""
     try:
         os.makedirs(directory, exist_ok=True)
-        probe = pathlib.Path(directory) / f".geompi-write-test-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
+        # Exclusive and unpredictable (host, pid, random): never writes through a planted symlink.
+        prefix = f".geompi-write-test-{socket.gethostname()}-{os.getpid()}-"
+        fd, probe = tempfile.mkstemp(prefix=prefix, dir=directory)
+        os.close(fd)
+        os.unlink(probe)
     except OSError as e:
         raise CheckpointError(
             f"cannot write checkpoint to {directory}: {e.strerror or e}; "

@@ -185,8 +185,8 @@ def test_every_dataset_has_fletcher32_and_dtype(tmp_path):
 
 def test_chunk_by_chunk_writer_matches_hdf5(tmp_path, monkeypatch):
     """Our own fletcher32 (large datasets) must be what HDF5 checks on read, partial chunks too."""
-    monkeypatch.setattr(ckpt, "_DIRECT_MIN_BYTES", 0)
-    monkeypatch.setattr(ckpt, "_CHUNK_BYTES", 1000)
+    monkeypatch.setattr(ckpt.writer, "_DIRECT_MIN_BYTES", 0)
+    monkeypatch.setattr(ckpt.format, "_CHUNK_BYTES", 1000)
     g = torch.Generator().manual_seed(1)
     model = {
         "odd_bytes": torch.randint(0, 256, (4001,), dtype=torch.uint8, generator=g),
@@ -382,10 +382,14 @@ def test_killed_writer_leaves_previous_checkpoint_intact(tmp_path):
         "ckpt.save(sys.argv[1], model=model, step=2)\n"
     )
     proc = subprocess.Popen([sys.executable, "-c", child, str(final)], env=ENV, cwd=REPO)
-    tmp = tmp_path / f".{final.name}.tmp-{proc.pid}"
     deadline = time.monotonic() + 60
+
+    def partial() -> bool:  # the temporary name is .NAME.tmp-HOST-PID-RANDOM
+        tmps = list(tmp_path.glob(f".{final.name}.tmp-*-{proc.pid}-*"))
+        return bool(tmps) and tmps[0].stat().st_size > 16 << 20  # mid-way through 200 MB
+
     try:
-        while not (tmp.exists() and tmp.stat().st_size > 16 << 20):  # mid-way through 200 MB
+        while not partial():
             assert proc.poll() is None, "the writer finished or failed before it was killed"
             assert time.monotonic() < deadline, "the writer never started writing"
             time.sleep(0.001)

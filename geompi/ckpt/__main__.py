@@ -1,0 +1,7 @@
+"""``python -m geompi.ckpt``: see geompi.ckpt.cli."""
+
+import sys
+
+from geompi.ckpt.cli import main
+
+sys.exit(main())

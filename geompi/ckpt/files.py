@@ -1,0 +1,118 @@
+"""Checkpoint file names in a directory, and small file-system helpers."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import secrets
+import socket
+
+import numpy as np
+
+_CKPT_RE = re.compile(r"^ckpt-(\d+)\.h5$")
+_CREATE = (
+    os.O_WRONLY
+    | os.O_CREAT
+    | os.O_EXCL
+    | getattr(os, "O_NOFOLLOW", 0)
+    | getattr(os, "O_CLOEXEC", 0)
+)
+
+
+def checkpoint_name(step: int) -> str:
+    """The file name of the checkpoint of `step`, e.g. "ckpt-00001200.h5"."""
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+        raise ValueError(f"step must be a non-negative integer, not {step!r}")
+    return f"ckpt-{int(step):08d}.h5"
+
+
+def list_checkpoints(directory: str | os.PathLike) -> list[pathlib.Path]:
+    """Checkpoint files (ckpt-<step>.h5) in `directory`, oldest step first; temporaries ignored."""
+    d = pathlib.Path(directory)
+    if not d.is_dir():
+        return []
+    found = []
+    for p in d.iterdir():
+        m = _CKPT_RE.match(p.name)
+        if m and p.is_file():
+            found.append((int(m.group(1)), p))
+    return [p for _, p in sorted(found)]
+
+
+def latest(directory: str | os.PathLike) -> pathlib.Path | None:
+    """The checkpoint with the highest step in `directory`, or None if there is none."""
+    found = list_checkpoints(directory)
+    return found[-1] if found else None
+
+
+def prune(directory: str | os.PathLike, keep: int) -> list[pathlib.Path]:
+    """Delete all but the newest `keep` (>= 1) checkpoints of `directory`; return the deleted."""
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise ValueError(f"keep must be an integer >= 1, not {keep!r}")
+    old = list_checkpoints(directory)[:-keep]
+    for p in old:
+        p.unlink(missing_ok=True)
+    return old
+
+
+def _fsync_path(path: pathlib.Path, directory: bool = False) -> None:
+    flags = os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if directory else 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError:
+        if directory:
+            return  # some platforms cannot open directories; the rename itself is done
+        raise
+    try:
+        os.fsync(fd)
+    except OSError:
+        if not directory:  # some filesystems refuse fsync on a directory
+            raise
+    finally:
+        os.close(fd)
+
+
+def _reason(e: BaseException) -> str:
+    if isinstance(e, OSError) and e.errno:
+        return os.strerror(e.errno)
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
+
+
+def _remove_quietly(p: pathlib.Path | None) -> None:
+    if p is None:
+        return
+    try:
+        p.unlink(missing_ok=True)
+    except OSError:
+        pass
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname())[:64] or "host"
+
+
+def create_temp(directory: str | os.PathLike, name: str) -> tuple[int, pathlib.Path]:
+    """Create a new empty file ``.NAME.tmp-HOST-PID-RANDOM`` in `directory`; (fd, path).
+
+    O_CREAT|O_EXCL|O_NOFOLLOW: never opens what is already there (a symlink someone planted in
+    a shared directory), and the name is unique across nodes and unpredictable. The mode is
+    0666 less the umask, like any file the process creates.
+    """
+    d = pathlib.Path(directory)
+    for _ in range(100):
+        tmp = d / f".{name}.tmp-{_host()}-{os.getpid()}-{secrets.token_hex(8)}"
+        try:
+            return os.open(tmp, _CREATE, 0o666), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free temporary name for {name} in {d}")
+
+
+def same_file(fd: int, path: pathlib.Path) -> bool:
+    """Whether `path` (not followed if a symlink) is still the file open as `fd`."""
+    try:
+        a, b = os.fstat(fd), os.lstat(path)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)

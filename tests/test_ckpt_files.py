@@ -1,0 +1,93 @@
+"""geompi.ckpt in shared directories: temporary files are created exclusively, never through a
+symlink someone planted; a missing optional package is one line (issue #13)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from geompi import ckpt
+
+
+def good(path: Path) -> Path:
+    model = {"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(3).bfloat16()}
+    return ckpt.save(path, model=model, step=3)
+
+
+# --------------------------------------------------------------------------------------------
+# temporary files in shared directories
+
+
+def _victim(tmp_path: Path) -> Path:
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious data")
+    return victim
+
+
+def test_save_does_not_write_through_a_planted_temp_symlink(tmp_path):
+    victim = _victim(tmp_path)
+    d = tmp_path / "shared"
+    d.mkdir()
+    final = d / ckpt.checkpoint_name(1)
+    (d / f".{final.name}.tmp-{os.getpid()}").symlink_to(victim)  # the old predictable name
+    ckpt.save(final, model={"w": torch.zeros(3)}, step=1)
+    assert victim.read_bytes() == b"precious data"
+    assert ckpt.load(final).step == 1
+    assert not final.is_symlink()
+
+
+def test_export_does_not_write_through_a_planted_temp_symlink(tmp_path):
+    victim = _victim(tmp_path)
+    path = good(tmp_path / "c.h5")
+    for suffix in (".pt", ".npz", ".safetensors"):
+        out = tmp_path / f"model{suffix}"
+        (tmp_path / f".{out.name}.tmp-{os.getpid()}").symlink_to(victim)
+        ckpt.export(path, out)
+        assert victim.read_bytes() == b"precious data", suffix
+        assert out.is_file() and not out.is_symlink()
+
+
+def test_check_writable_does_not_write_through_a_planted_symlink(tmp_path):
+    from geompi.checkpointing import check_writable
+
+    victim = _victim(tmp_path)
+    d = tmp_path / "shared"
+    d.mkdir()
+    probe = d / f".geompi-write-test-{os.getpid()}"
+    probe.symlink_to(victim)
+    check_writable(str(d))
+    assert victim.read_bytes() == b"precious data"
+    assert probe.is_symlink()  # someone else's file: left alone
+    assert sorted(p.name for p in d.iterdir()) == [probe.name]  # our own probe is gone
+
+
+def test_temp_names_are_unique_and_exclusive(tmp_path, monkeypatch):
+    """Two writers (nodes, or pids reused across nodes) never share a temporary name."""
+    from geompi.ckpt import files
+
+    seen = set()
+    for _ in range(50):
+        fd, p = files.create_temp(tmp_path, "ckpt-00000001.h5")
+        os.close(fd)
+        assert p.name.startswith(".ckpt-00000001.h5.tmp-") and p.name not in seen
+        assert str(os.getpid()) in p.name
+        seen.add(p.name)
+
+
+# --------------------------------------------------------------------------------------------
+# the optional safetensors package
+
+
+def test_export_safetensors_without_the_package_is_one_line(tmp_path, capsys, monkeypatch):
+    path = good(tmp_path / "c.h5")
+    monkeypatch.setitem(sys.modules, "safetensors", None)  # import safetensors now fails
+    monkeypatch.setitem(sys.modules, "safetensors.torch", None)
+    out = tmp_path / "x.safetensors"
+    assert ckpt.main(["export", str(path), "--to", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("geompi.ckpt: error: ") and err.count("\n") == 1, err
+    assert "pip install 'geompi[safetensors]'" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.h5"]
