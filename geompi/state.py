@@ -125,8 +125,13 @@ def _restore(ck: ckpt.Checkpoint, model: torch.nn.Module, optimizer) -> None:
             f"run's optimizer is {type(optimizer).__name__}: build the same optimizer class"
         )
     names = _param_names(model, optimizer)
+    sd = _torch_state(ck, names)
+    for now, saved in zip(optimizer.param_groups, sd["param_groups"]):
+        for k, v in saved.items():  # JSON made tuples (Adam's betas) lists: give them back
+            if isinstance(now.get(k), tuple) and isinstance(v, list):
+                saved[k] = tuple(v)
     try:
-        optimizer.load_state_dict(_torch_state(ck, names))
+        optimizer.load_state_dict(sd)
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(
             f"{ck.path}: optimizer state does not fit this optimizer ({e}): "

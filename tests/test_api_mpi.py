@@ -109,3 +109,143 @@ def test_hfa_uniform_weighting_counts_every_datacenter_the_same(tmp_path):
     got = torch.load(tmp_path / "hfa-w0.pt")
     assert max(float((got[k] - refs[0][k]).abs().max()) for k in got) <= 1e-5
     assert max(float((got[k] - per_worker[0][k]).abs().max()) for k in got) > 1e-4
+
+
+# ---- buffers, checkpoints, AMP, MixedSync, errors (tests/progs/api_misc.py) -----------------
+MISC_WORKERS = 5  # dc_sizes (3, 4): 2 + 3 workers, 2 global servers
+
+
+def _misc(tmp_path, mode, check=True):
+    return mpirun(9, ["-m", "mpi4py", prog("api_misc.py"), str(tmp_path), mode], 300, check=check)
+
+
+def _load(tmp_path, tag):
+    return [torch.load(tmp_path / f"{tag}-w{w}.pt") for w in range(MISC_WORKERS)]
+
+
+@pytest.fixture(scope="module")
+def buffers_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("api_buffers")
+    _misc(out, "buffers")
+    return out
+
+
+def test_buffers_are_identical_and_sample_weighted(buffers_run):
+    """BatchNorm on the input: its running mean is the EMA of the concatenated batch's mean."""
+    from tests.progs.api_common import batch
+
+    for tag in ("at3", "full", "resumed"):
+        runs = _load(buffers_run, tag)
+        for r in runs[1:]:
+            for k, v in runs[0]["model"].items():
+                assert torch.equal(v, r["model"][k]), (tag, k)
+    mean = torch.zeros(10)
+    for t in range(6):
+        x = torch.cat([batch(w, t)[0] for w in range(MISC_WORKERS)])
+        mean = 0.8 * mean + 0.2 * x.mean(0)
+    got = _load(buffers_run, "full")[0]["model"]["bn.running_mean"]
+    assert torch.allclose(got, mean, atol=1e-6), (got, mean)
+
+
+def test_load_restores_model_and_optimizer_and_resumes_bitwise(buffers_run):
+    saved, loaded = _load(buffers_run, "at3")[0], _load(buffers_run, "loaded")[0]
+    for k, v in saved["model"].items():
+        assert torch.equal(v, loaded["model"][k]), k
+    assert loaded["step"] == 3
+    a, b = saved["opt"], loaded["opt"]
+    assert a["param_groups"] == b["param_groups"]
+    assert a["state"].keys() == b["state"].keys()
+    for i in a["state"]:
+        for k, v in a["state"][i].items():
+            assert torch.equal(torch.as_tensor(v), torch.as_tensor(b["state"][i][k])), (i, k)
+    full, resumed = _load(buffers_run, "full")[0]["model"], _load(buffers_run, "resumed")[0]
+    for k, v in full.items():
+        assert torch.equal(v, resumed["model"][k]), k
+
+
+def test_exported_checkpoint_loads_strictly(buffers_run, tmp_path):
+    import subprocess
+    import sys
+
+    from tests.progs.api_misc_model import BNNet
+
+    out = tmp_path / "model.pt"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "geompi.ckpt",
+            "export",
+            str(buffers_run / "ck3.h5"),
+            "--to",
+            str(out),
+        ],
+        check=True,
+        timeout=60,
+    )
+    net = BNNet()
+    net.load_state_dict(torch.load(out), strict=True)
+    saved = _load(buffers_run, "at3")[0]["model"]
+    for k, v in net.state_dict().items():
+        assert torch.equal(v, saved[k]), k
+
+
+@pytest.fixture(scope="module")
+def amp_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("api_amp")
+    _misc(out, "amp")
+    return out
+
+
+@pytest.mark.parametrize("sync", ["fsa", "hfa"])
+def test_amp_workers_agree_and_loss_stays_near_fp32(amp_run, sync):
+    amp, fp32 = _load(amp_run, f"{sync}-amp"), _load(amp_run, f"{sync}-fp32")
+    for r in amp[1:]:
+        for k, v in amp[0]["model"].items():
+            assert torch.equal(v, r["model"][k]), k  # bitwise, after the final global average
+    # bf16 autocast: the final loss within 0.05 of the fp32 run's (about 3% here)
+    assert abs(amp[0]["losses"][-1] - fp32[0]["losses"][-1]) < 0.05
+
+
+def test_amp_inf_step_is_skipped_by_every_fsa_worker_together(amp_run):
+    amp = _load(amp_run, "fsa-amp")
+    assert all(r["unchanged_at_inf"] for r in amp)  # no worker stepped at the inf step
+    assert {r["scale"] for r in amp} == {2.0**9}  # every scaler backed off once, together
+
+
+def test_amp_inf_under_hfa_is_local_and_does_not_hang(amp_run):
+    """HFA's steps are local: only the worker that overflowed skips (and backs off)."""
+    amp = _load(amp_run, "hfa-amp")
+    assert [r["unchanged_at_inf"] for r in amp] == [w == 1 for w in range(MISC_WORKERS)]
+    assert [r["scale"] for r in amp] == [2.0**9 if w == 1 else 2.0**10 for w in range(5)]
+
+
+def test_mixedsync_trains_the_users_sgd_and_dcasgd(tmp_path):
+    _misc(tmp_path, "mixed")
+    for name in ("sgd", "dcasgd"):
+        runs = _load(tmp_path, f"mixed-{name}")
+        for r in runs[1:]:  # after close, every worker holds the final global model
+            for k, v in runs[0]["model"].items():
+                assert torch.equal(v, r["model"][k]), (name, k)
+        for r in runs:
+            first, last = sum(r["losses"][:5]) / 5, sum(r["losses"][-5:]) / 5
+            assert last < 0.9 * first, (name, first, last)
+
+
+@pytest.mark.parametrize(
+    "mode, words",
+    [
+        ("bad_sync", "unknown sync 'nope'"),
+        ("bad_mixed_optimizer", "got RMSprop"),
+        ("bad_checkpoint", "does not fit this model"),
+    ],
+)
+def test_user_errors_are_one_line_and_stop_every_rank(tmp_path, mode, words):
+    from tests.mpirun import error_lines
+
+    res = _misc(tmp_path, mode, check=False)
+    assert res.returncode != 0
+    lines = error_lines(res.stderr)
+    assert len(lines) == 1 and words in lines[0], res.stderr[-3000:]
+    assert "Traceback" not in res.stderr
+    assert not list(tmp_path.glob("done-*.json"))

@@ -57,6 +57,12 @@ def batch(worker: int, step: int, micro: int = 0) -> tuple[torch.Tensor, torch.T
     return x, y
 
 
+def learnable_batch(worker: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch whose label is a function of the input (the largest of its first OUT values)."""
+    x, _ = batch(worker, step)
+    return x, x[:, :OUT].argmax(1)
+
+
 def param_groups(model: Net, kind: str) -> list[dict]:
     """Two groups with their own lr and weight decay (the head, and the rest)."""
     head = [model.head.weight, model.head.bias]

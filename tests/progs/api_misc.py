@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 import geompi
-from tests.progs.api_common import IN, OUT, batch
+from tests.progs.api_common import IN, OUT, batch, learnable_batch
+from tests.progs.api_misc_model import BNNet
 
 out, mode = sys.argv[1], sys.argv[2]
 geompi.init(dc_sizes=(3, 4), global_servers=2)
@@ -22,20 +23,10 @@ w = geompi.worker_rank()
 loss_fn = nn.CrossEntropyLoss()
 
 
-class BNNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.bn = nn.BatchNorm1d(IN, momentum=0.2)
-        self.body = nn.Sequential(nn.Linear(IN, 16), nn.Tanh(), nn.Linear(16, OUT))
-
-    def forward(self, x):
-        return self.body(self.bn(x))
-
-
-def train(model, opt, steps, start=0, scaler=None, autocast=None, inf_at=None):
+def train(model, opt, steps, start=0, scaler=None, autocast=None, inf_at=None, data=batch):
     losses = []
     for t in range(start, steps):
-        x, y = batch(w, t)
+        x, y = data(w, t)
         opt.zero_grad()
         if autocast:
             with torch.autocast("cpu", dtype=autocast):
@@ -115,7 +106,7 @@ elif mode == "mixed":
         opt = geompi.DistributedOptimizer(
             torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum), model, sync=algo
         )
-        losses = train(model, opt, 40)
+        losses = train(model, opt, 40, data=learnable_batch)
         opt.geompi_close()  # the final global model arrives
         dump(f"mixed-{name}", model, losses=losses)
 elif mode == "bad_sync":

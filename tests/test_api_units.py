@@ -1,0 +1,133 @@
+"""The public API in one process: names, lazy submodules, algorithm settings, checkpoint tables."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import geompi
+from geompi.algorithms import FSA, HFA, MixedSync, resolve, server_spec
+from geompi.errors import ConfigError
+from geompi.ps.optim import DCASGD, SGD, Adam, AdamW
+
+
+def test_plain_import_gives_kv_and_optim_like_mxnet():
+    """After `import geompi`, geompi.kv.create and geompi.optim.Adam work (as mx.kv does)."""
+    code = "import geompi; print(geompi.kv.create.__name__, geompi.optim.Adam(lr=0.1).lr)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["create", "0.1"]
+
+
+def test_import_geompi_stays_light():
+    """A plain import loads neither MPI nor h5py: a login node can import it."""
+    code = "import sys, geompi; print('mpi4py.MPI' in sys.modules, 'h5py' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["False", "False"], out.stderr
+
+
+def test_public_names():
+    for name in geompi.__all__:
+        assert getattr(geompi, name) is not None, name
+    with pytest.raises(AttributeError):
+        geompi.no_such_name  # noqa: B018
+
+
+def test_api_before_init_is_a_clear_error():
+    with pytest.raises(ConfigError, match=r"geompi.init\(\) was not called"):
+        geompi.worker_rank()
+
+
+@pytest.mark.parametrize(
+    "sync, cls", [("fsa", FSA), ("HFA", HFA), ("mixed", MixedSync), (HFA(k1=2, k2=5), HFA)]
+)
+def test_resolve(sync, cls):
+    assert isinstance(resolve(sync), cls)
+
+
+@pytest.mark.parametrize(
+    "bad, words",
+    [
+        ("dilo", "unknown sync 'dilo'"),
+        (HFA(k1=0), "k1=0"),
+        (HFA(k2=1.5), "k2=1.5"),
+        (HFA(weighting="dc"), "weighting='dc'"),
+        (HFA(outer_optimizer="adam"), "outer_optimizer='adam'"),
+        (HFA(outer_lr=float("nan")), "outer_lr=nan"),
+        (MixedSync(max_staleness=0), "max_staleness=0"),
+        (42, "sync=42"),
+    ],
+)
+def test_resolve_refuses(bad, words):
+    with pytest.raises(ConfigError, match=words):
+        resolve(bad)
+
+
+def test_server_spec_reads_the_users_optimizer():
+    p = [torch.nn.Parameter(torch.zeros(3))]
+    spec = server_spec(torch.optim.SGD(p, lr=0.2, momentum=0.5, nesterov=True), "X")
+    assert spec == SGD(lr=0.2, momentum=0.5, nesterov=True)
+    assert server_spec(torch.optim.Adam(p, lr=1e-3, betas=(0.8, 0.9)), "X") == Adam(
+        lr=1e-3, betas=(0.8, 0.9)
+    )
+    assert isinstance(server_spec(torch.optim.AdamW(p), "X"), AdamW)
+    d = MixedSync(dcasgd=True, dcasgd_lambda=0.1).spec(torch.optim.SGD(p, lr=0.3))
+    assert d == DCASGD(lr=0.3, lam=0.1)
+    with pytest.raises(ConfigError, match="got RMSprop"):
+        server_spec(torch.optim.RMSprop(p), "MixedSync")
+    with pytest.raises(ConfigError, match="amsgrad|got Adam"):
+        server_spec(torch.optim.Adam(p, amsgrad=True), "MixedSync")
+    with pytest.raises(ConfigError, match="one param group"):
+        server_spec(torch.optim.SGD([{"params": p}, {"params": [torch.zeros(1)]}], lr=1), "M")
+    with pytest.raises(ConfigError, match="without momentum"):
+        MixedSync(dcasgd=True).spec(torch.optim.SGD(p, lr=0.3, momentum=0.9))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+        lambda ps: torch.optim.SGD(ps, lr=0.1),  # momentum_buffer None
+        lambda ps: torch.optim.Adam([{"params": ps[:1]}, {"params": ps[1:], "lr": 0.5}]),
+        lambda ps: torch.optim.AdamW(ps, lr=torch.tensor(0.01)),  # a tensor lr
+        lambda ps: torch.optim.Adagrad(ps),
+        lambda ps: torch.optim.RMSprop(ps, momentum=0.3, centered=True),
+    ],
+)
+def test_save_load_round_trip_without_mpi(tmp_path, make):
+    """geompi.save/load work outside a job too: torch's own state, bit for bit."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    opt = make(list(net.parameters()))
+    for _ in range(3):
+        opt.zero_grad()
+        net(torch.randn(5, 4)).square().sum().backward()
+        opt.step()
+    geompi.save(tmp_path / "a.h5", model=net, optimizer=opt, step=3, epoch=1)
+    net2 = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    opt2 = make(list(net2.parameters()))
+    info = geompi.load(tmp_path / "a.h5", model=net2, optimizer=opt2)
+    assert (info["step"], info["epoch"]) == (3, 1)
+    for k, v in net.state_dict().items():
+        assert torch.equal(v, net2.state_dict()[k]), k
+    a, b = opt.state_dict(), opt2.state_dict()
+    assert [{k: v for k, v in g.items() if k != "lr"} for g in a["param_groups"]] == [
+        {k: v for k, v in g.items() if k != "lr"} for g in b["param_groups"]
+    ]
+    for i, st in a["state"].items():
+        for k, v in st.items():
+            w = b["state"][i][k]
+            if v is None:
+                assert w is None
+            else:
+                assert torch.equal(torch.as_tensor(v), torch.as_tensor(w)), (i, k)
+
+
+def test_load_refuses_another_optimizer_class(tmp_path):
+    from geompi.errors import CheckpointError
+
+    net = torch.nn.Linear(2, 2)
+    geompi.save(tmp_path / "a.h5", model=net, optimizer=torch.optim.SGD(net.parameters(), lr=1))
+    with pytest.raises(CheckpointError, match="holds 'SGD' optimizer state"):
+        geompi.load(tmp_path / "a.h5", model=net, optimizer=torch.optim.Adam(net.parameters()))
