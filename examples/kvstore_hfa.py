@@ -1,6 +1,6 @@
 """HFA through the KVStore, as GeoMX users write it: every K1 steps, push param / num_workers
-and pull the average. The local server counts K2 and sends every K2-th average on to the global
-servers.
+and pull the average (all pushes before the pulls, so the whole model travels in one round).
+The local server counts K2 and sends every K2-th average on to the global servers.
 
     MXNET_KVSTORE_USE_HFA=1 MXNET_KVSTORE_HFA_K1=4 MXNET_KVSTORE_HFA_K2=2 \
         mpirun -n 9 python examples/kvstore_hfa.py --steps 200
@@ -42,9 +42,10 @@ for step in range(1, args.steps + 1):
     opt.zero_grad()
     loss_fn(model(x), y).backward()
     opt.step()
-    if step % k1 == 0:
+    if step % k1 == 0:  # every push first, then the pulls: one round for the whole model
         for idx, p in enumerate(params):
             kv.push(idx, p.data / kv.num_workers, priority=-idx)
+        for idx, p in enumerate(params):
             kv.pull(idx, out=p.data, priority=-idx)
         kv.wait()
 

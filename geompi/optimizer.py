@@ -171,6 +171,19 @@ class _Distributed:
         self._geompi.close()
 
 
+def synchronized_buffers(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The buffers geompi keeps equal on every worker: the floating-point ones in the model's
+    state_dict (BatchNorm statistics and the like). Non-persistent buffers (masks, tables
+    computed at construction) are constants and stay as each worker built them."""
+    out = []
+    for module in model.modules():
+        skip = module._non_persistent_buffers_set
+        for name, b in module._buffers.items():
+            if b is not None and name not in skip and b.is_floating_point():
+                out.append(b)
+    return out
+
+
 class Synchronizer:
     """The worker side of one algorithm around a user's model and optimizer."""
 
@@ -195,7 +208,7 @@ class Synchronizer:
         self.params = [p for _, p in named]
         self.buckets = Buckets(named, int(bucket_mb * 2**20))
         self.index = {id(p): i for i, p in enumerate(self.params)}
-        self.float_buffers = [b for b in model.buffers() if b.is_floating_point()]
+        self.float_buffers = synchronized_buffers(model)
         cfg = session.cfg
         timeout = cfg.comm_timeout and 4 * cfg.comm_timeout
         self.client = PSClient(Link(session.comms.dc, LAN, session.stats), timeout)

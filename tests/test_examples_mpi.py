@@ -42,3 +42,24 @@ def test_kvstore_mixed_example():
     # 2 cores. 120 steps gave 0.95 here and 0.889 on a loaded CI machine; 200 steps give 0.975
     # here, and the bound leaves room for a loaded machine while staying far above chance (0.1).
     assert min(a for a, _ in finals.values()) >= 0.85
+
+
+@pytest.mark.parametrize("sync", ["fsa", "hfa"])
+def test_transformer_lm_example_trains_through_the_public_api(sync, tmp_path):
+    """The README's lead example, small: the loss falls and every worker ends equal."""
+    args = ["--d-model", "32", "--layers", "1", "--heads", "2", "--steps", "24"]
+    args += ["--corpus-mb", "0.2", "--sync", sync, "--k1", "2", "--k2", "3", "--lr", "3e-3"]
+    args += ["--checkpoint", str(tmp_path / "lm.h5")]
+    res = mpirun(7, [str(REPO / "examples/transformer_lm.py"), *args], timeout=240)
+    pat = r"^transformer_lm: worker (\d+) .* first_loss=(\S+) val_loss=(\S+) .* param_sum=(\S+)$"
+    rows = re.findall(pat, res.stdout, re.M)
+    assert sorted(int(w) for w, *_ in rows) == [0, 1, 2]  # 7 ranks: 3 DCs of 1 worker + 1 GS
+    assert len({digest for *_, digest in rows}) == 1, "workers disagree on the model"
+    assert all(float(val) < float(first) - 0.5 for _, first, val, _ in rows)
+    assert (tmp_path / "lm.h5").is_file()
+
+
+def test_transformer_lm_example_adds_at_most_15_lines():
+    text = (REPO / "examples/transformer_lm.py").read_text()
+    added = [ln for ln in text.splitlines() if ln.rstrip().endswith("# geompi")]
+    assert 5 <= len(added) <= 15, added
