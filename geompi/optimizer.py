@@ -167,8 +167,12 @@ class _Distributed:
         """How many times the global tier has synchronized so far."""
         return self._geompi.global_syncs
 
-    def geompi_close(self) -> None:
+    def close(self) -> None:
+        """End this optimizer's job (MixedSync receives the final global model); the servers
+        then wait, idle, for the next DistributedOptimizer or ``geompi.finish()``."""
         self._geompi.close()
+
+    geompi_close = close  # what geompi.session calls, whatever the optimizer defines
 
 
 def synchronized_buffers(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -242,6 +246,7 @@ class Synchronizer:
         self.closed = False
         self.average_due = False  # HFA: K1 steps done, the datacenter average not yet
         model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
+        self.hooked = {id(p) for p in self.params if p.requires_grad}
         for p in self.params:
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(self._on_grad)
@@ -358,9 +363,25 @@ class Synchronizer:
         self._issue(complete_only=True)
         self.reqs.test()
 
+    def _stop(self, err: GeompiError) -> None:
+        """An error every worker meets at the same point: one line from the master, all stop."""
+        from geompi import session
+
+        session.stop_identically(self.s, err)
+
     def _begin_round(self) -> None:
         if self.closed:
-            raise ConfigError("backward after its DistributedOptimizer was closed: build a new one")
+            self._stop(
+                ConfigError("backward after its DistributedOptimizer was closed: build a new one")
+            )
+        for name, p in self.model.named_parameters():
+            if p.requires_grad and id(p) not in self.hooked:
+                self._stop(
+                    ConfigError(
+                        f"parameter {name} was unfrozen after DistributedOptimizer was built, so "
+                        "its gradient would stay local: build it after unfreezing"
+                    )
+                )
         self.weight = self._weight()
         self.ready = [0] * len(self.buckets)
         self.issued = 0
@@ -441,13 +462,18 @@ class Synchronizer:
     # ---- the step -------------------------------------------------------------------------
     def step(self, closure, local_step):
         if self.closed:
-            raise ConfigError(
-                "this DistributedOptimizer was closed (geompi.finish(), or a newer one was "
-                "built): build a new one to train on"
+            self._stop(
+                ConfigError(
+                    "this DistributedOptimizer was closed (geompi.finish(), or a newer one was "
+                    "built): build a new one to train on"
+                )
             )
         if closure is not None:
-            raise ConfigError(
-                "DistributedOptimizer.step(closure) is not supported: call backward, then step()"
+            self._stop(
+                ConfigError(
+                    "DistributedOptimizer.step(closure) is not supported: call backward, then "
+                    "step()"
+                )
             )
         if isinstance(self.algo, HFA):
             return self._hfa_step(local_step)
@@ -471,16 +497,12 @@ class Synchronizer:
         if self.s.cfg.on_nonfinite == "skip":
             self.skipped += 1
             return False
-        from geompi.runtime import abort
-
-        err = NonFiniteError(
-            f"non-finite global gradient at step {self.steps + 1}: lower the lr, check the data, "
-            "use a torch.amp.GradScaler, or pass on_nonfinite='skip' to geompi.init"
+        self._stop(
+            NonFiniteError(
+                f"non-finite global gradient at step {self.steps + 1}: lower the lr, check the "
+                "data, use a torch.amp.GradScaler, or pass on_nonfinite='skip' to geompi.init"
+            )
         )
-        if self.master:
-            abort(err)
-        self.s.comms.all_workers.Barrier()  # the master's abort ends this process
-        raise err  # pragma: no cover
 
     def _hfa_step(self, local_step):
         if self.max_grad_norm is not None:  # the inner optimizer's own, local gradient

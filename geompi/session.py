@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import json
 import sys
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -135,7 +136,7 @@ def _serve(s: Session) -> None:
 
     cfg = s.cfg
     while True:  # one job per DistributedOptimizer, until the workers call finish()
-        job = _bcast_json(s.comms.world, None)
+        job = _bcast_json(s.comms.world, None, idle=True)
         if job.get("sync") is None:
             return
         try:
@@ -173,6 +174,18 @@ def exit_identically(s: Session, err: GeompiError) -> None:
     exit_together(err, s.rank)
 
 
+def stop_identically(s: Session, err: GeompiError) -> None:
+    """An error every worker hits alike during training: the master prints one line and aborts
+    the job; the other workers wait to be ended by that abort."""
+    from geompi.runtime import abort
+
+    s.finished = True
+    if s.rank == 0:
+        abort(err)
+    s.comms.all_workers.Barrier()  # never completes: the master's abort ends this process
+    raise err  # pragma: no cover
+
+
 def fail_together(s: Session, err: GeompiError | None) -> None:
     """Collective over the workers: if any of them failed, the master prints one line and every
     rank of the job stops (the servers too)."""
@@ -194,13 +207,28 @@ def _finish_at_exit() -> None:
         finish()
 
 
-def _bcast_json(comm, obj: dict | None) -> dict:
-    """Broadcast a JSON document from rank 0 as bytes (never pickled)."""
+def _bcast_json(comm, obj: dict | None, idle: bool = False) -> dict:
+    """Broadcast a JSON document from rank 0 as bytes (never pickled).
+
+    ``idle``: wait by testing and sleeping, so a server that waits for the workers' next job
+    (while they train with something else) leaves the CPU to them.
+    """
     import numpy as np
 
     data = json.dumps(obj).encode() if comm.Get_rank() == 0 else b""
     n = np.array([len(data)], dtype=np.int64)
-    comm.Bcast(n, root=0)
+    _bcast(comm, n, idle)
     buf = np.frombuffer(bytearray(data), dtype=np.uint8) if data else np.empty(n[0], np.uint8)
-    comm.Bcast(buf, root=0)
+    _bcast(comm, buf, idle)
     return json.loads(buf.tobytes())
+
+
+def _bcast(comm, buf, idle: bool) -> None:
+    """Ibcast on every rank (a blocking Bcast would not match a nonblocking one)."""
+    req, pause = comm.Ibcast(buf, root=0), 1e-4
+    if not idle:
+        req.Wait()
+        return
+    while not req.Test():
+        time.sleep(pause)
+        pause = min(2 * pause, 0.01)

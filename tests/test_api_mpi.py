@@ -238,6 +238,7 @@ def test_mixedsync_trains_the_users_sgd_and_dcasgd(tmp_path):
         ("bad_sync", "unknown sync 'nope'"),
         ("bad_mixed_optimizer", "got RMSprop"),
         ("bad_checkpoint", "does not fit this model"),
+        ("bad_unfreeze", "was unfrozen after DistributedOptimizer was built"),
     ],
 )
 def test_user_errors_are_one_line_and_stop_every_rank(tmp_path, mode, words):

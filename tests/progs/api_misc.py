@@ -107,7 +107,7 @@ elif mode == "mixed":
             torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum), model, sync=algo
         )
         losses = train(model, opt, 40, data=learnable_batch)
-        opt.geompi_close()  # the final global model arrives
+        opt.close()  # the final global model arrives
         dump(f"mixed-{name}", model, losses=losses)
 elif mode == "bad_sync":
     model = nn.Linear(IN, OUT)
@@ -122,6 +122,13 @@ elif mode == "bad_checkpoint":
     other = nn.Linear(IN + 1, OUT)
     geompi.save(f"{out}/other.h5", model=other)
     geompi.load(f"{out}/other.h5", model=model, optimizer=opt)
+elif mode == "bad_unfreeze":
+    model = nn.Sequential(nn.Linear(IN, 8), nn.Linear(8, OUT))
+    model[0].requires_grad_(False)
+    opt = geompi.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    model[0].requires_grad_(True)
+    x, y = batch(w, 0)
+    loss_fn(model(x), y).backward()
 geompi.finish()
 with open(f"{out}/done-w{w}.json", "w") as f:
     json.dump({"mode": mode}, f)
