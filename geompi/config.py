@@ -276,7 +276,10 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--wan-bandwidth", help="emulate each datacenter's WAN link, e.g. 100Mbit")
     w.add_argument("--wan-latency", help="one-way WAN latency to emulate, e.g. 25ms")
     w.add_argument("--lan-bandwidth", help="emulate each local server's LAN port, e.g. 10Gbit")
-    w.add_argument("--wan-compression", help="none (default), fp16, bf16 or topk:FRACTION")
+    w.add_argument(
+        "--wan-compression",
+        help="none (default), fp16, bf16, int8, int4, topk:FRACTION or topk:FRACTION+int8",
+    )
     t = p.add_argument_group("topology")
     t.add_argument("--dcs", type=_int("--dcs"), help="number of datacenters")
     t.add_argument("--dc-sizes", help="ranks per datacenter incl. its local server, e.g. 5,5,5")

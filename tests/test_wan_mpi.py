@@ -57,6 +57,41 @@ def test_fp16_is_half_the_bytes_plus_one_scale_per_1024_values(wan):
     assert per_step(meta["record"], "fsa_none") == DCS * 2 * 4 * sum(slices)
 
 
+def _slices(out, meta) -> list[int]:
+    """The (key, shard) slice lengths that travel compressed, each on its own."""
+    state = torch.load(out / "fsa_none_6.pt")
+    named = [(k, torch.nn.Parameter(v.clone())) for k, v in state.items()]
+    keys = Buckets(named, int(meta["common"]["bucket_mb"] * 2**20)).keys
+    g = meta["common"]["global_servers"]
+    return [(s + 1) * n // g - s * n // g for _, n in keys for s in range(g)]
+
+
+@pytest.mark.parametrize(
+    "comp, nbytes",
+    [
+        ("int8", lambda m: m + 4 * math.ceil(m / 256)),  # 1/4 of fp32, plus the scales
+        ("int4", lambda m: math.ceil(m / 2) + 4 * math.ceil(m / 256)),  # 1/8, plus the scales
+        (  # 10% of the values: int8 each, an int32 index each, scales per 256 kept values
+            "topk:0.1+int8",
+            lambda m: (k := max(1, math.ceil(0.1 * m))) + 4 * math.ceil(k / 256) + 4 * k,
+        ),
+    ],
+)
+def test_quantized_payloads_are_exact_sizes(wan, comp, nbytes):
+    out, meta = wan
+    payload = sum(nbytes(m) for m in _slices(out, meta))
+    assert per_step(meta["record"], f"fsa_{comp}") == DCS * 2 * payload
+
+
+@pytest.mark.parametrize("algo", ["mixed", "hfa"])
+def test_int4_works_with_every_algorithm(wan, algo):
+    """int4 under MixedSync and HFA: 1/8 of the uncompressed data plus scales, and training."""
+    rec = wan[1]["record"]
+    ratio = per_step(rec, f"{algo}_none") / per_step(rec, f"{algo}_int4")
+    assert 7.0 < ratio < 8.0, ratio
+    assert rec[f"{algo}_int4_12"]["test_acc"] > 0.2  # 10 classes: far above chance
+
+
 @pytest.mark.parametrize("algo", ["fsa", "mixed", "hfa"])
 def test_topk_1_percent_cuts_wan_bytes_over_30x_both_ways(wan, algo):
     rec = wan[1]["record"]

@@ -34,7 +34,7 @@ def test_parse_duration(text, s):
         (["--wan-latency", "25"], "--wan-latency '25': give a time with a unit"),
         (["--lan-bandwidth", "fast"], "--lan-bandwidth 'fast'"),
         (["--wan-compression", "topk:2"], "unknown --wan-compression 'topk:2'"),
-        (["--wan-compression", "zstd"], "choose none, fp16, bf16 or topk:FRACTION"),
+        (["--wan-compression", "zstd"], "choose none, fp16, bf16, int8, int4, topk:FRACTION"),
     ],
 )
 def test_bad_wan_flags_are_one_line_errors(flags, needle):
@@ -269,3 +269,87 @@ def test_all_finite_is_exact_when_the_sum_overflows():
     assert not bool(torch.isfinite(t.sum())) and all_finite(t)
     t[0], t[1] = float("inf"), -float("inf")  # their sum is NaN, the check must still fail
     assert not all_finite(t)
+
+
+# ---- int8 / int4 (issue #14): round trips and error feedback, against numpy written here ----
+def _np_quant(x, qmax: int, chunk: int = 256):
+    """An independent int quantizer: per-chunk absmax / qmax, round half to even, clamp."""
+    import numpy as np
+
+    out = np.zeros_like(x, dtype=np.float32)
+    for lo in range(0, len(x), chunk):
+        c = x[lo : lo + chunk].astype(np.float32)
+        scale = np.float32(np.abs(c).max()) / np.float32(qmax)
+        if scale > 0:
+            out[lo : lo + chunk] = np.clip(np.round(c / scale), -qmax, qmax) * scale
+    return out
+
+
+@pytest.mark.parametrize("bits, qmax", [(8, 127), (4, 7)])
+@pytest.mark.parametrize("n", [1, 3, 255, 256, 257, 1001])
+def test_int_round_trip_is_within_half_a_step(bits, qmax, n):
+    from geompi.comm.compression import QuantCompressor
+
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n, generator=g) * torch.logspace(-3, 4, n)  # chunks of very different scale
+    c = QuantCompressor(bits)
+    payload = c.compress(x)
+    assert payload.numel() == c.payload_nbytes(n)
+    y = c.decompress(payload, n)
+    for lo in range(0, n, 256):
+        step = float(x[lo : lo + 256].abs().max()) / qmax
+        assert float((y[lo : lo + 256] - x[lo : lo + 256]).abs().max()) <= step / 2 * (1 + 1e-6)
+    assert torch.allclose(
+        y, torch.from_numpy(_np_quant(x.numpy(), qmax)), rtol=0, atol=1e-6 * float(x.abs().max())
+    )
+
+
+def test_int_zero_chunks_and_empty():
+    from geompi.comm.compression import QuantCompressor
+
+    for bits in (8, 4):
+        c = QuantCompressor(bits)
+        assert torch.equal(c.decompress(c.compress(torch.zeros(300)), 300), torch.zeros(300))
+        assert c.decompress(c.compress(torch.zeros(0)), 0).numel() == 0
+
+
+def test_int_refuses_non_finite():
+    from geompi.comm.compression import QuantCompressor
+
+    with pytest.raises(NonFiniteError, match="int8"):
+        QuantCompressor(8).compress(torch.tensor([1.0, float("inf")]))
+
+
+def test_topk_int8_keeps_topk_indices_and_quantizes_their_values():
+    from geompi.comm.compression import TopKCompressor, make_compressor
+
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(1))
+    c = make_compressor("topk:0.05+int8")
+    y = c.decompress(c.compress(x), 1000)
+    exact = TopKCompressor(0.05)
+    kept = exact.decompress(exact.compress(x), 1000)
+    assert torch.equal(y != 0, kept != 0)
+    step = float(kept.abs().max()) / 127
+    assert float((y - kept).abs().max()) <= step / 2 * (1 + 1e-6)
+    assert c.payload_nbytes(1000) == 50 + 4 + 4 * 50
+
+
+@pytest.mark.parametrize("spec, qmax", [("int8", 127), ("int4", 7)])
+def test_int_error_feedback_matches_a_numpy_simulation(spec, qmax):
+    """Several rounds of one key: what quantization dropped goes out with the next vector."""
+    import numpy as np
+
+    from geompi.comm.compression import ErrorFeedback, make_compressor
+
+    c = make_compressor(spec)
+    fb = ErrorFeedback(c)
+    g = torch.Generator().manual_seed(7)
+    residual = np.zeros(600, dtype=np.float32)
+    for _ in range(6):
+        x = torch.randn(600, generator=g)
+        got = c.decompress(fb.compress("k", x), 600)
+        fb.commit()
+        v = residual + x.numpy()
+        sent = _np_quant(v, qmax)
+        residual = v - sent
+        np.testing.assert_allclose(got.numpy(), sent, rtol=0, atol=1e-5)

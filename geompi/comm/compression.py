@@ -72,11 +72,7 @@ class CastCompressor(Compressor):
 
     def compress(self, x: torch.Tensor) -> torch.Tensor:
         """fp16: the chunks' fp32 scales, then the scaled fp16 values; bf16: the values."""
-        if not all_finite(x):
-            raise NonFiniteError(
-                f"--wan-compression {self.name} was given a NaN or Inf to send: the global "
-                "tier's values diverged; lower --lr or check the data"
-            )
+        _refuse_nonfinite(x, self.name)
         x = x.float().reshape(-1)
         if not self.scaled:
             return x.clamp(-_BF16_MAX, _BF16_MAX).to(self.dtype).view(torch.uint8)
@@ -136,23 +132,146 @@ class TopKCompressor(Compressor):
         return out
 
 
+#: Values per fp32 scale in an int8/int4 payload.
+QUANT_CHUNK = 256
+
+
+class QuantCompressor(Compressor):
+    """int8 or int4: symmetric per-chunk quantization, one fp32 scale per ``QUANT_CHUNK`` values.
+
+    Each chunk is divided by ``absmax / qmax`` (qmax 127 or 7) and rounded to the nearest
+    integer, so a value comes back within half a quantization step (``absmax / (2 qmax)``).
+    int4 packs two values a byte. The data bytes are exactly 1/4 (int8) or 1/8 (int4) of fp32's,
+    plus the scales, which ``payload_nbytes`` counts.
+    """
+
+    lossy = True
+
+    def __init__(self, bits: int) -> None:
+        if bits not in (4, 8):
+            raise ValueError(bits)
+        self.bits = bits
+        self.qmax = 2 ** (bits - 1) - 1
+        self.name = f"int{bits}"
+
+    def _chunks(self, n: int) -> int:
+        return -(-n // QUANT_CHUNK)
+
+    def _value_nbytes(self, n: int) -> int:
+        return n if self.bits == 8 else -(-n // 2)
+
+    def payload_nbytes(self, n: int) -> int:
+        return 4 * self._chunks(n) + self._value_nbytes(n)
+
+    def compress(self, x: torch.Tensor) -> torch.Tensor:
+        """The chunks' fp32 scales, then the integers (int4: two a byte, low nibble first)."""
+        _refuse_nonfinite(x, self.name)
+        x = x.float().reshape(-1)
+        n, c = x.numel(), self._chunks(x.numel())
+        if n == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        padded = torch.zeros(c * QUANT_CHUNK, dtype=torch.float32)
+        padded[:n] = x
+        rows = padded.view(c, QUANT_CHUNK)
+        scales = rows.abs().amax(dim=1) / self.qmax
+        safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+        q = torch.round(rows / safe[:, None]).clamp_(-self.qmax, self.qmax).reshape(-1)[:n]
+        if self.bits == 8:
+            values = q.to(torch.int8).view(torch.uint8)
+        else:
+            nib = (q.to(torch.int16) + 8).to(torch.uint8)  # 1..15
+            if n % 2:
+                nib = torch.cat([nib, torch.full((1,), 8, dtype=torch.uint8)])
+            values = nib[0::2] | (nib[1::2] << 4)
+        return torch.cat([scales.view(torch.uint8), values])
+
+    def decompress(self, payload: torch.Tensor, n: int) -> torch.Tensor:
+        if n == 0:
+            return torch.zeros(0, dtype=torch.float32)
+        c = self._chunks(n)
+        payload = _aligned(payload)
+        scales = payload[: 4 * c].view(torch.float32)
+        raw = payload[4 * c : 4 * c + self._value_nbytes(n)]
+        if self.bits == 8:
+            q = raw.view(torch.int8).to(torch.float32)
+        else:
+            q = torch.stack([raw & 0xF, raw >> 4], dim=1).reshape(-1)[:n].to(torch.float32) - 8
+        out = torch.zeros(c * QUANT_CHUNK, dtype=torch.float32)
+        out[:n] = q
+        out.view(c, QUANT_CHUNK).mul_(scales[:, None])
+        return out[:n]
+
+
+class TopKQuantCompressor(Compressor):
+    """``topk:F+int8``: the top-k values (as ``TopKCompressor`` picks them), int8-quantized,
+    with their int32 indices: 5 bytes a kept value plus a scale per ``QUANT_CHUNK`` of them."""
+
+    lossy = True
+
+    def __init__(self, fraction: float, bits: int = 8) -> None:
+        self.topk = TopKCompressor(fraction)
+        self.quant = QuantCompressor(bits)
+        self.name = f"topk:{fraction:g}+int{bits}"
+
+    def payload_nbytes(self, n: int) -> int:
+        k = self.topk.k(n)
+        return self.quant.payload_nbytes(k) + 4 * k
+
+    def compress(self, x: torch.Tensor) -> torch.Tensor:
+        _refuse_nonfinite(x, self.name)
+        k = self.topk.k(x.numel())
+        if k == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        idx = torch.topk(x.abs(), k, sorted=False).indices.sort().values
+        values = self.quant.compress(x[idx].contiguous())
+        return torch.cat([idx.to(torch.int32).view(torch.uint8), values])  # indices first: aligned
+
+    def decompress(self, payload: torch.Tensor, n: int) -> torch.Tensor:
+        k = self.topk.k(n)
+        out = torch.zeros(n, dtype=torch.float32)
+        if k:
+            payload = _aligned(payload)
+            idx = payload[: 4 * k].view(torch.int32).long()
+            out[idx] = self.quant.decompress(payload[4 * k :], k)
+        return out
+
+
+def _aligned(payload: torch.Tensor) -> torch.Tensor:
+    """A payload whose start allows 4-byte views (a slice of a window may not)."""
+    return payload if payload.storage_offset() % 4 == 0 else payload.clone()
+
+
+def _refuse_nonfinite(x: torch.Tensor, name: str) -> None:
+    if not all_finite(x):
+        raise NonFiniteError(
+            f"--wan-compression {name} was given a NaN or Inf to send: the global tier's "
+            "values diverged; lower --lr or check the data"
+        )
+
+
 def make_compressor(spec: str | None) -> Compressor:
-    """``none``, ``fp16``, ``bf16`` or ``topk:FRACTION`` (e.g. ``topk:0.01``)."""
+    """``none``, ``fp16``, ``bf16``, ``int8``, ``int4``, ``topk:FRACTION`` (e.g.
+    ``topk:0.01``) or ``topk:FRACTION+int8``."""
     spec = (spec or "none").strip().lower()
     if spec == "none":
         return Compressor()
     if spec in ("fp16", "bf16"):
         return CastCompressor(torch.float16 if spec == "fp16" else torch.bfloat16)
+    if spec in ("int8", "int4"):
+        return QuantCompressor(int(spec[3:]))
     if spec.startswith("topk:"):
+        body, _, quant = spec[5:].partition("+")
         try:
-            fraction = float(spec[5:])
+            fraction = float(body)
         except ValueError:
             fraction = -1.0
-        if 0 < fraction <= 1:
-            return TopKCompressor(fraction)
+        if 0 < fraction <= 1 and quant in ("", "int8", "int4"):
+            return (
+                TopKQuantCompressor(fraction, int(quant[3:])) if quant else TopKCompressor(fraction)
+            )
     raise ConfigError(
-        f"unknown --wan-compression {spec!r}: choose none, fp16, bf16 or topk:FRACTION "
-        "(e.g. topk:0.01)"
+        f"unknown --wan-compression {spec!r}: choose none, fp16, bf16, int8, int4, "
+        "topk:FRACTION or topk:FRACTION+int8 (e.g. topk:0.01+int8)"
     )
 
 

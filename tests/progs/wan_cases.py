@@ -37,10 +37,10 @@ def run(name: str, **kw) -> None:
 
 
 # Bytes per step, from the difference of two run lengths (the INIT round cancels out).
-for comp in ("none", "fp16", "bf16", "topk:0.01"):
+for comp in ("none", "fp16", "bf16", "topk:0.01", "int8", "int4", "topk:0.1+int8"):
     for steps in (6, 12):
         run(f"fsa_{comp}_{steps}", steps=steps, wan_compression=comp)
-for comp in ("none", "topk:0.01"):
+for comp in ("none", "topk:0.01", "int4"):
     for steps in (6, 12):
         run(f"mixed_{comp}_{steps}", sync="mixed", steps=steps, wan_compression=comp)
         run(f"hfa_{comp}_{steps}", sync="hfa", k1=2, k2=3, steps=steps, wan_compression=comp)
