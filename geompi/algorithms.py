@@ -47,9 +47,13 @@ class HFA:
     outer_optimizer: str = "sgd"  # or "nesterov" (DiLoCo's outer step)
     outer_lr: float = 1.0
     reset_optimizer: bool = False  # clear the local optimizer state at every global average
+    fragments: int = 1  # streaming: F fragments of the model, global on staggered rounds
+    overlap: bool = False  # streaming: a fragment's global result merges one round later
+    mix: float = 1.0  # streaming with overlap: mix * global + (1 - mix) * local
 
     def job(self) -> dict:
-        return {"sync": self.name, "k2": self.k2}
+        streaming = {"fragments": self.fragments, "overlap": self.overlap, "mix": self.mix}
+        return {"sync": self.name, "k2": self.k2, "streaming": streaming}
 
     def outer(self) -> dict:
         return {"name": self.outer_optimizer, "lr": self.outer_lr}
@@ -66,6 +70,26 @@ class HFA:
             )
         if not math.isfinite(self.outer_lr) or self.outer_lr <= 0:
             raise ConfigError(f"HFA(outer_lr={self.outer_lr!r}): must be a finite number > 0")
+        check_streaming(self.fragments, self.overlap, self.mix, self.k2, "HFA(", ")")
+
+
+def check_streaming(
+    fragments: int, overlap: bool, mix: float, k2: int, pre: str = "--", post: str = ""
+) -> None:
+    """Streaming HFA's settings, for the API (``HFA(fragments=...)``) and the CLI flags."""
+
+    def name(s: str) -> str:
+        return f"{pre}{s if pre != '--' else 'hfa-' + s}{post}"
+
+    if not isinstance(fragments, int) or isinstance(fragments, bool) or fragments < 1:
+        raise ConfigError(f"{name('fragments')} {fragments!r}: must be a whole number >= 1")
+    if not (isinstance(mix, int | float) and 0 < mix <= 1):
+        raise ConfigError(f"{name('mix')} {mix!r}: must be in (0, 1] (1 replaces)")
+    if overlap and k2 < 2:
+        raise ConfigError(
+            f"{name('overlap')} needs k2 >= 2: a fragment's global result merges at its next "
+            "datacenter round, which must not be global again"
+        )
 
 
 @dataclass(frozen=True)

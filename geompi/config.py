@@ -53,6 +53,9 @@ class RunConfig:
     hfa_reset_optimizer: bool = False
     outer_optimizer: str = "sgd"
     outer_lr: float = 1.0
+    hfa_fragments: int = 1
+    hfa_overlap: bool = False
+    hfa_mix: float = 1.0
     # MixedSync / DCASGD
     dcasgd_lambda: float = 0.04
     dcasgd_adaptive: bool = False
@@ -145,6 +148,18 @@ class RunConfig:
             raise ConfigError(f"--lr {self.lr}: the learning rate must be a finite number > 0")
         if not (math.isfinite(self.outer_lr) and self.outer_lr > 0):
             raise ConfigError(f"--outer-lr {self.outer_lr}: must be a finite number > 0")
+        if self.sync == "hfa":
+            from geompi.algorithms import check_streaming
+
+            check_streaming(self.hfa_fragments, self.hfa_overlap, self.hfa_mix, self.k2)
+            if (self.hfa_fragments > 1 or self.hfa_overlap) and self.checkpoint_dir:
+                raise ConfigError(
+                    "--checkpoint-dir with streaming HFA (--hfa-fragments/--hfa-overlap): the "
+                    "fragments are global at different rounds, so no round has one global "
+                    "model to resume from exactly; drop one"
+                )
+        elif self.hfa_fragments != 1 or self.hfa_overlap:
+            raise ConfigError("--hfa-fragments/--hfa-overlap are for --sync hfa: drop them")
         for name in ("effective_momentum", "weight_decay", "dcasgd_lambda"):
             v = getattr(self, name)
             name = name.replace("effective_", "")
@@ -268,6 +283,24 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--hfa-reset-optimizer", action="store_true", default=None)
     a.add_argument("--outer-optimizer", help="HFA global tier: sgd (default) or nesterov")
     a.add_argument("--outer-lr", type=_float, help="HFA outer learning rate (default 1)")
+    a.add_argument(
+        "--hfa-fragments",
+        type=_int("--hfa-fragments"),
+        help="streaming HFA: F fragments of the model, each global once per K2 datacenter "
+        "rounds on its own staggered round (default 1: plain HFA)",
+    )
+    a.add_argument(
+        "--hfa-overlap",
+        action="store_true",
+        default=None,
+        help="streaming HFA: a fragment's global exchange runs during the next K1 local steps "
+        "and merges at the next datacenter round (needs --k2 >= 2)",
+    )
+    a.add_argument(
+        "--hfa-mix",
+        type=_float,
+        help="streaming HFA with overlap: mix * global + (1 - mix) * local (default 1: replace)",
+    )
     a.add_argument("--dcasgd-lambda", type=_float, help="DCASGD lambda (default 0.04)")
     a.add_argument("--dcasgd-adaptive", action="store_true", default=None)
     a.add_argument("--max-staleness", type=_int("--max-staleness"))

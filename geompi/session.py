@@ -150,6 +150,7 @@ def _serve(s: Session) -> None:
                 timeout=cfg.comm_timeout,
                 max_staleness=job.get("max_staleness", cfg.max_staleness),
                 wan=cfg.wan_settings(),
+                streaming=job.get("streaming"),
             ).run()
         except Exception as e:  # noqa: BLE001 - one line, then every rank stops
             abort(e)

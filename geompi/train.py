@@ -368,6 +368,11 @@ def train(cfg: RunConfig, comm=None) -> dict | None:
                 max_staleness=cfg.max_staleness,
                 slowdown=cfg.dc_slowdown,
                 wan=cfg.wan_settings(),
+                streaming={
+                    "fragments": cfg.hfa_fragments,
+                    "overlap": cfg.hfa_overlap,
+                    "mix": cfg.hfa_mix,
+                },
             )
     except Exception as e:  # noqa: BLE001 - reported collectively below
         err = e

@@ -93,10 +93,10 @@ class Requests:
     def __len__(self) -> int:
         return len(self._reqs)
 
-    def test(self) -> None:
-        """Drive progress without blocking (MPI progresses only inside MPI calls)."""
-        if self._reqs:
-            MPI.Request.Testall(self._reqs)
+    def test(self) -> bool:
+        """Drive progress without blocking (MPI progresses only inside MPI calls); True once
+        every request has completed (callbacks run at ``wait``)."""
+        return bool(MPI.Request.Testall(self._reqs)) if self._reqs else True
 
     def wait(self) -> None:
         """Wait for every request, then run the callbacks in the order they were added."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from collections import deque
 from functools import partial
@@ -13,6 +15,7 @@ from geompi.comm.linkmodel import Duplex, LinkModel
 from geompi.comm.topology import Communicators, Topology
 from geompi.comm.transport import LAN, WAN, Link, LinkStats, Requests
 from geompi.errors import NonFiniteError
+from geompi.ps.fragments import fragment_plan, is_global
 from geompi.ps.protocol import (
     FLAG_GLOBAL,
     FLAG_RAW,
@@ -29,6 +32,8 @@ from geompi.ps.protocol import (
     wire_header,
 )
 from geompi.ps.wan import TierCodec
+
+_ROUND_LOG = "GEOMPI_TEST_ROUND_LOG"
 
 
 class SyncUplink:
@@ -125,8 +130,9 @@ class SyncUplink:
         for gs in self._servers():
             self._send(self.sends, trailer, gs, TAG_TRAILER, control=True)
 
-    def receive(self, outs: list[torch.Tensor]) -> list[Requests]:
-        """Post the results' receives, one request list per key; the sends complete first."""
+    def receive(self, outs: list[torch.Tensor], block: bool = True) -> list[Requests]:
+        """Post the results' receives, one request list per key; the sends complete first
+        (unless ``block`` is False: then ``finish_sends`` completes them later)."""
         per_key, burst = [], []
         for i, ((key, n), out) in enumerate(zip(self.rnd.keys, outs)):
             reqs = self._requests()
@@ -149,9 +155,24 @@ class SyncUplink:
             if self.wan is not None:
                 reqs.add_callback(partial(self._deliver, burst, nbytes))
             per_key.append(reqs)
+        if not block:  # overlapped: results can arrive once the upload has left
+            if self.wan is not None:
+                burst.append(self.wan.up.free_at + self.wan.model.latency)
+            return per_key
         self._flush()
         self.sends.wait()
         return per_key
+
+    def finish_sends(self) -> None:
+        """Complete the sends of an overlapped round (their emulated upload included)."""
+        self._flush()
+        self.sends.wait()
+
+    def progress(self) -> None:
+        """Post the queued sends that the emulated link has released, without waiting."""
+        if self._queue:
+            self._flush(block=False)
+        self.sends.test()
 
     def stop(self, rnd: Round, bufs: list[torch.Tensor]) -> None:
         """The workers are done: tell every global server."""
@@ -193,6 +214,9 @@ class LocalServer:
         uplink=None,
         slowdown: float = 1.0,
         lan_model: LinkModel | None = None,
+        fragments: int = 1,
+        overlap: bool = False,
+        mix: float = 1.0,
     ) -> None:
         self.topo = topo
         self.dc = topo.dc_of(comms.world.Get_rank())
@@ -204,6 +228,15 @@ class LocalServer:
         self.stats = stats
         self.bufs = BufferPool()  # key -> sum; (key, worker) -> its push; (key, "out") -> result
         self.avg_rounds: dict[int, int] = {}  # per key
+        # Streaming HFA: fragments go global on staggered rounds (geompi.ps.fragments); with
+        # overlap, a fragment's global result is merged at its next datacenter round instead
+        # of being waited for: key -> (result requests, result buffer).
+        self.fragments, self.overlap, self.mix = fragments, overlap, mix
+        self.fragment_of: dict[int, int] = {}
+        # Test hook: GEOMPI_TEST_ROUND_LOG=DIR writes, per datacenter, the keys that went global
+        # at each AVG round and the fragment plan, when the workers stop.
+        self.round_log: list[list[int]] | None = [] if os.environ.get(_ROUND_LOG) else None
+        self.pending: dict[int, tuple[Requests, torch.Tensor]] = {}
         self.skipped = 0
         self.workers = topo.workers(self.dc)
         self.slowdown = slowdown
@@ -220,6 +253,10 @@ class LocalServer:
         mine = torch.zeros(header_len(), dtype=torch.float64)
         headers = torch.zeros(self.lan.size, header_len(), dtype=torch.float64)
         self.lan.igather(reqs, mine, headers, 0)
+        if self.pending:  # an overlapped global exchange is under way: keep it moving
+            while not reqs.test():
+                self.uplink.progress()
+                time.sleep(2e-4)
         reqs.wait()
         rnd, weight, with_spec = agree(headers[1:], self.workers, f"datacenter {self.dc}")
         spec = None
@@ -228,20 +265,38 @@ class LocalServer:
             spec_t = torch.empty(int(Round.decode(headers[dc_rank]).spec_len), dtype=torch.uint8)
             self.lan.comm.Recv(spec_t.numpy(), dc_rank, TAG_SPEC)
             spec = spec_t.numpy().tobytes()
+        if self.pending:  # an overlapped exchange: its send buffers are reused below
+            self.uplink.finish_sends()
+            if rnd.op is not Op.AVG:  # the end (or a save): results never merged are dropped
+                for results, _ in self.pending.values():
+                    results.wait()
+                self.pending.clear()
         if rnd.op is Op.SAVE:
             self.uplink.save(rnd, self.dc)
             return True
         bufs = [self.bufs.get(k, n) for k, n in rnd.keys]
         if rnd.op is Op.STOP:  # MixedSync's STOP carries keys: the final global parameters
+            self._write_round_log()
             self.uplink.stop(rnd, bufs)
             self._send_results(reqs, bufs)
             return False
         incoming = self._receive_pushes(rnd)
         due = set(range(len(bufs)))  # the keys that go on to the global tier
+        if rnd.op is Op.INIT:
+            self.fragment_of = fragment_plan(rnd.keys, self.fragments)
         if rnd.op is Op.AVG:  # K2 is counted per key: GeoMX users push one key per round
             for k, _ in rnd.keys:
                 self.avg_rounds[k] = self.avg_rounds.get(k, 0) + 1
-            due = {i for i, (k, _) in enumerate(rnd.keys) if self.avg_rounds[k] % self.k2 == 0}
+            due = {
+                i
+                for i, (k, _) in enumerate(rnd.keys)
+                if is_global(
+                    self.avg_rounds[k], self.fragment_of.get(k, 0), self.fragments, self.k2
+                )
+            }
+        if rnd.op is Op.AVG and self.round_log is not None:
+            self.round_log.append([rnd.keys[i][0] for i in sorted(due)])
+        overlapped = self.overlap and rnd.op is Op.AVG  # answer before the global result
         up_index = {i: u for u, i in enumerate(sorted(due))}
         if due:
             flags = rnd.flags | (FLAG_GLOBAL if rnd.op is Op.AVG else 0)
@@ -261,8 +316,11 @@ class LocalServer:
                 weight = self._nonfinite(rnd)  # raises, or 0: the global servers skip us
             if i in due:
                 self.uplink.send_key(up_index[i], total)
+                if overlapped:  # the workers get the datacenter average now
+                    self.bufs.get((rnd.keys[i][0], "dc"), total.numel()).copy_(total).div_(weight)
             else:  # an HFA datacenter average (a non-finite one raised above)
                 total.div_(weight)
+                self._merge_pending(rnd.keys[i][0], total)
         outs, results = bufs, []
         if due:
             self.uplink.end(weight)
@@ -270,7 +328,13 @@ class LocalServer:
                 self.bufs.get((k, "out"), n) if i in due else bufs[i]
                 for i, (k, n) in enumerate(rnd.keys)
             ]
-            results = self.uplink.receive([outs[i] for i in sorted(due)])
+            results = self.uplink.receive([outs[i] for i in sorted(due)], block=not overlapped)
+        if overlapped and due:  # answer with the datacenter averages; merge the global later
+            for i in due:
+                key, n = rnd.keys[i]
+                self.pending[key] = (results[up_index[i]], outs[i])
+                outs[i] = self.bufs.get((key, "dc"), n)
+            results, due = [], set()
         if self.slowdown > 1.0:  # emulation: hold the whole round before answering
             for r in results:
                 r.wait()
@@ -281,6 +345,28 @@ class LocalServer:
         if rnd.op is Op.INIT:  # the time split covers training, not the start-up
             self.stats.reset_time()
         return True
+
+    def _write_round_log(self) -> None:
+        if self.round_log is None:
+            return
+        path = os.path.join(os.environ[_ROUND_LOG], f"rounds-dc{self.dc}.jsonl")
+        with open(path, "a") as f:  # one line per job (per DistributedOptimizer)
+            log = {"global_keys": self.round_log, "fragment_of": self.fragment_of}
+            f.write(json.dumps(log) + "\n")
+        self.round_log = []
+
+    def _merge_pending(self, key: int, average: torch.Tensor) -> None:
+        """Streaming HFA with overlap: the global result of this key's previous round arrives
+        now (a delay of one datacenter round) and is mixed into the datacenter average:
+        ``mix * global + (1 - mix) * average`` (mix 1: the global values replace it)."""
+        if key not in self.pending:
+            return
+        reqs, result = self.pending.pop(key)
+        reqs.wait()
+        if self.mix == 1.0:
+            average.copy_(result)
+        else:
+            average.mul_(1.0 - self.mix).add_(result, alpha=self.mix)
 
     def _emulate_slowdown(self) -> None:
         """``--dc-slowdown``: hold the round so this datacenter's steps take ``slowdown`` times

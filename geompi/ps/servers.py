@@ -22,11 +22,13 @@ def make_server(
     max_staleness: int | None = None,
     slowdown: dict[int, float] | None = None,
     wan: WanSettings | None = None,
+    streaming: dict | None = None,
 ) -> LocalServer | GlobalServer:
     """The LocalServer or GlobalServer of this rank; MixedSync's use the one-sided global tier.
 
     ``wan`` emulates the links (at the local servers, which own their datacenter's WAN link)
-    and sets the global tier's compression (on both tiers' servers).
+    and sets the global tier's compression (on both tiers' servers). ``streaming`` (HFA):
+    ``fragments``, ``overlap`` and ``mix`` of streaming HFA (see LocalServer).
     """
     rank = comms.world.Get_rank()
     role = topo.role(rank)
@@ -57,4 +59,5 @@ def make_server(
         uplink=uplink,
         slowdown=(slowdown or {}).get(dc, 1.0),
         lan_model=wan.lan,
+        **(streaming or {} if sync == "hfa" else {}),
     )

@@ -175,3 +175,61 @@ def hfa_reference(
                         p.copy_(avg)
         samples = fresh()
     return [{k: v.detach().clone() for k, v in m.state_dict().items()} for m in models]
+
+
+def _weighted(params: list[dict], samples: list[int], name: str, group) -> torch.Tensor:
+    group = list(group)
+    return sum(params[w][name] * samples[w] for w in group) / sum(samples[w] for w in group)
+
+
+def stream_reference(
+    dc_sizes: list[int], k1: int, k2: int, fragments: int, overlap: bool, mix: float, steps: int
+) -> list[dict[str, torch.Tensor]]:
+    """An independent simulation of streaming HFA with one key per parameter (keys in reverse
+    parameter order, as backward produces them): fragments by the midpoint rule, fragment f
+    global at datacenter round r when (r + f*K2//F) % K2 == 0; with overlap, workers get the
+    datacenter average at that round and ``mix * global + (1 - mix) * average`` at the next."""
+    workers = sum(dc_sizes)
+    dcs = [list(range(sum(dc_sizes[:d]), sum(dc_sizes[: d + 1]))) for d in range(len(dc_sizes))]
+    models = [make_model(1) for _ in range(workers)]
+    opts = [hfa_optimizer(m) for m in models]
+    names = [n for n, _ in models[0].named_parameters()][::-1]
+    sizes = [dict(models[0].named_parameters())[n].numel() for n in names]
+    total, start, frag = sum(sizes), 0, {}
+    for name, n in zip(names, sizes):
+        frag[name] = min(fragments - 1, int((start + n / 2) * fragments / total))
+        start += n
+    loss_fn = nn.CrossEntropyLoss()
+    samples, rnd, pending = [0] * workers, 0, {}
+    for t in range(steps):
+        for w in range(workers):
+            x, y = batch(w, t)
+            opts[w].zero_grad()
+            loss_fn(models[w](x, use_extra(w, t)), y).backward()
+            opts[w].step()
+            samples[w] += len(y)
+        if (t + 1) % k1:
+            continue
+        rnd += 1
+        with torch.no_grad():
+            params = [dict(m.named_parameters()) for m in models]
+            for name in names:
+                glob = (rnd + frag[name] * k2 // fragments) % k2 == 0
+
+                dc_avg = [_weighted(params, samples, name, g) for g in dcs]
+                everyone = _weighted(params, samples, name, range(workers)) if glob else None
+                for d, group in enumerate(dcs):
+                    if glob and not overlap:
+                        value = everyone
+                    elif name in pending and not glob:
+                        value = mix * pending[name] + (1 - mix) * dc_avg[d]
+                    else:
+                        value = dc_avg[d]
+                    for w in group:
+                        params[w][name].copy_(value)
+                if glob and overlap:
+                    pending[name] = everyone
+                elif name in pending:
+                    del pending[name]
+        samples = [0] * workers
+    return [{k: v.detach().clone() for k, v in m.state_dict().items()} for m in models]

@@ -1,0 +1,41 @@
+"""Streaming HFA through the public API (argv: out dir, mode).
+
+``overlap``: 2 fragments, overlap, mix 0.5, K1=2, K2=2 on datacenters of 2 and 3 workers with
+2 global servers; one bucket per parameter, so the fragments are made of whole parameters the
+test can name. ``plain``: HFA, then the same with fragments=1 (must be bitwise equal).
+Every worker saves its final state.
+"""
+
+import sys
+
+import torch
+
+import geompi
+from tests.progs.api_common import batch, hfa_optimizer, make_model, use_extra
+
+out, mode = sys.argv[1], sys.argv[2]
+geompi.init(dc_sizes=(3, 4), global_servers=2)
+w = geompi.worker_rank()
+loss_fn = torch.nn.CrossEntropyLoss()
+STEPS = 16
+
+
+def train(name: str, algo) -> None:
+    model = make_model(seed=1 + w)
+    opt = geompi.DistributedOptimizer(hfa_optimizer(model), model, sync=algo, bucket_mb=1e-9)
+    for t in range(STEPS):
+        x, y = batch(w, t)
+        opt.zero_grad()
+        loss_fn(model(x, use_extra(w, t)), y).backward()
+        opt.step()
+    opt.close()
+    torch.save(model.state_dict(), f"{out}/{name}-w{w}.pt")
+
+
+if mode == "overlap":
+    train("overlap", geompi.HFA(k1=2, k2=2, fragments=2, overlap=True, mix=0.5))
+    train("fragments", geompi.HFA(k1=2, k2=4, fragments=4))
+else:
+    train("hfa", geompi.HFA(k1=2, k2=4))
+    train("f1", geompi.HFA(k1=2, k2=4, fragments=1))
+geompi.finish()

@@ -1,0 +1,104 @@
+"""Streaming HFA (issue #14): fragments on staggered rounds, overlap, mix. Checked against an
+independent simulation (tests/progs/api_common.py: stream_reference), plain HFA bitwise, and
+the local servers' log of which keys went global at each datacenter round."""
+
+import json
+
+import pytest
+import torch
+
+from geompi.config import make_config
+from geompi.errors import ConfigError
+from geompi.ps.fragments import fragment_plan, is_global
+from tests.mpirun import mpirun, prog
+from tests.progs.api_common import stream_reference
+
+WORKERS = 5  # tests/progs/api_stream.py: dc_sizes (3, 4), 2 global servers
+
+
+@pytest.fixture(scope="module")
+def overlap_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("stream")
+    env = {"GEOMPI_TEST_ROUND_LOG": str(out)}
+    mpirun(9, ["-m", "mpi4py", prog("api_stream.py"), str(out), "overlap"], 300, env=env)
+    return out
+
+
+def _load(out, name):
+    return [torch.load(out / f"{name}-w{w}.pt") for w in range(WORKERS)]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize(
+    "name, k1, k2, fragments, overlap, mix",
+    [("overlap", 2, 2, 2, True, 0.5), ("fragments", 2, 4, 4, False, 1.0)],
+)
+def test_streaming_equals_an_independent_simulation(
+    overlap_run, name, k1, k2, fragments, overlap, mix
+):
+    refs = stream_reference([2, 3], k1, k2, fragments, overlap, mix, steps=16)
+    for w, got in enumerate(_load(overlap_run, name)):
+        diff = max(float((got[k] - refs[w][k]).abs().max()) for k in got)
+        assert diff <= 1e-5, (name, w, diff)
+
+
+@pytest.mark.mpi
+def test_each_fragment_goes_global_once_per_k2_rounds_at_its_offset(overlap_run):
+    """From the local servers' own log of the keys they sent to the global servers."""
+    for dc in (0, 1):
+        jobs = [
+            json.loads(ln) for ln in (overlap_run / f"rounds-dc{dc}.jsonl").read_text().splitlines()
+        ]
+        assert len(jobs) == 2
+        for job, (k2, fragments) in zip(jobs, [(2, 2), (4, 4)]):
+            plan = {int(k): f for k, f in job["fragment_of"].items()}
+            assert sorted(set(plan.values())) == list(range(fragments))
+            rounds = job["global_keys"]
+            assert len(rounds) == 8  # 16 steps / K1
+            for r, keys in enumerate(rounds, start=1):
+                want = sorted(k for k, f in plan.items() if (r + f * k2 // fragments) % k2 == 0)
+                assert keys == want, (dc, r, keys, want)
+            for f in range(fragments):  # once per K2 rounds, at rounds offset by f*K2/F
+                hits = [r for r, keys in enumerate(rounds, 1) if any(plan[k] == f for k in keys)]
+                assert len(hits) == 8 // k2 and all(b - a == k2 for a, b in zip(hits, hits[1:]))
+
+
+@pytest.mark.mpi
+def test_one_fragment_without_overlap_is_plain_hfa_bitwise(tmp_path):
+    mpirun(9, ["-m", "mpi4py", prog("api_stream.py"), str(tmp_path), "plain"], 300)
+    for a, b in zip(_load(tmp_path, "hfa"), _load(tmp_path, "f1")):
+        for k in a:
+            assert torch.equal(a[k], b[k]), k
+
+
+def test_fragment_plan_balances_whole_keys():
+    keys = [(i, 1000) for i in range(16)]
+    plan = fragment_plan(keys, 4)
+    assert [sum(1 for f in plan.values() if f == g) for g in range(4)] == [4, 4, 4, 4]
+    assert [plan[i] for i in range(16)] == sorted(plan.values())  # in key order
+    # a transformer-like layout: each fragment holds about 1/F of the values
+    sizes = [1280, 409_600, 1280, 409_600, 320, 320, 102_400] * 8 + [81_920]
+    keys = list(enumerate(sizes))
+    plan = fragment_plan(keys, 4)
+    per = [sum(n for k, n in keys if plan[k] == f) for f in range(4)]
+    assert max(per) <= sum(sizes) / 4 + max(sizes), per
+
+
+def test_schedule_with_one_fragment_is_every_k2th_round():
+    assert [r for r in range(1, 13) if is_global(r, 0, 1, 4)] == [4, 8, 12]
+    assert [r for r in range(1, 13) if is_global(r, 1, 2, 4)] == [2, 6, 10]
+
+
+@pytest.mark.parametrize(
+    "kw, words",
+    [
+        (dict(sync="hfa", k2=1, hfa_overlap=True), "needs k2 >= 2"),
+        (dict(sync="hfa", hfa_fragments=0), "--hfa-fragments 0"),
+        (dict(sync="hfa", hfa_mix=1.5), "--hfa-mix 1.5"),
+        (dict(sync="fsa", hfa_fragments=2), "are for --sync hfa"),
+        (dict(sync="hfa", hfa_fragments=2, checkpoint_dir="/tmp/x"), "streaming HFA"),
+    ],
+)
+def test_streaming_flags_are_validated(kw, words):
+    with pytest.raises(ConfigError, match=words):
+        make_config(env={}, **kw).validate()
