@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 import weakref
 from collections.abc import Callable, Iterator
 
@@ -26,7 +27,7 @@ import torch
 from geompi.algorithms import FSA, HFA, MixedSync, resolve, spec_json
 from geompi.comm.buckets import Buckets
 from geompi.comm.buffers import all_finite
-from geompi.comm.transport import LAN, Link
+from geompi.comm.transport import LAN, Link, LinkStats
 from geompi.errors import ConfigError, GeompiError, NonFiniteError
 from geompi.ps.client import PSClient
 from geompi.ps.protocol import FLAG_RAW, Op
@@ -41,20 +42,35 @@ def DistributedOptimizer(  # noqa: N802 - a factory named like the class it retu
     bucket_mb: float = 1.0,
     max_grad_norm: float | None = None,
     backward_passes_per_step: int = 1,
+    wan_bandwidth: str | None = None,
+    wan_latency: str | None = None,
+    lan_bandwidth: str | None = None,
+    wan_compression: str | None = None,
 ) -> torch.optim.Optimizer:
     """Make ``optimizer`` (built on ``model``'s parameters) train across the job. Collective:
     every worker calls it once, with the same model and settings.
 
-    The master worker's parameters and buffers become everyone's. Returns the same optimizer
-    object, now a subclass of its class with ``no_sync()``, ``synchronize()`` and
-    ``set_batch_size()``.
+    The master worker's parameters and buffers become everyone's. ``wan_*``/``lan_bandwidth``
+    (emulated links, WAN compression) override ``geompi.init``'s for this optimizer's job.
+    Returns the same optimizer object, now a subclass of its class with ``no_sync()``,
+    ``synchronize()``, ``set_batch_size()`` and ``close()``.
     """
+    wan = {
+        k: v
+        for k, v in (
+            ("wan_bandwidth", wan_bandwidth),
+            ("wan_latency", wan_latency),
+            ("lan_bandwidth", lan_bandwidth),
+            ("wan_compression", wan_compression),
+        )
+        if v is not None
+    }
     from geompi import session
 
     s = session.worker_session()
     try:
         server_spec = _validate(
-            optimizer, model, sync, s, bucket_mb, max_grad_norm, backward_passes_per_step
+            optimizer, model, sync, s, bucket_mb, max_grad_norm, backward_passes_per_step, wan
         )
     except GeompiError as e:  # the same on every worker, before any collective call
         session.exit_identically(s, e)
@@ -67,6 +83,7 @@ def DistributedOptimizer(  # noqa: N802 - a factory named like the class it retu
         max_grad_norm=max_grad_norm,
         passes=backward_passes_per_step,
         server_spec=server_spec,
+        wan=wan,
     )
     base = type(optimizer)
     optimizer.__class__ = type(f"Distributed{base.__name__}", (_Distributed, base), {})
@@ -77,7 +94,7 @@ def DistributedOptimizer(  # noqa: N802 - a factory named like the class it retu
     return optimizer
 
 
-def _validate(optimizer, model, sync, s, bucket_mb, max_grad_norm, passes) -> dict | None:
+def _validate(optimizer, model, sync, s, bucket_mb, max_grad_norm, passes, wan) -> dict | None:
     """Check the arguments (identically on every worker); returns the global servers' spec."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigError(f"DistributedOptimizer needs a torch.optim.Optimizer, got {optimizer!r}")
@@ -92,7 +109,10 @@ def _validate(optimizer, model, sync, s, bucket_mb, max_grad_norm, passes) -> di
         raise ConfigError(f"max_grad_norm={max_grad_norm!r}: must be a finite number > 0")
     if not (math.isfinite(bucket_mb) and bucket_mb > 0):
         raise ConfigError(f"bucket_mb={bucket_mb!r}: must be a finite number > 0")
-    if isinstance(algo, FSA) and s.cfg.wan_compression != "none":
+    from geompi.session import job_wan
+
+    compression = job_wan(s.cfg, {"wan": wan}).compression  # parses (and checks) every setting
+    if isinstance(algo, FSA) and compression != "none":
         raise ConfigError(
             "WAN compression with FSA's worker-side optimizer is not supported yet: "
             "use sync='hfa' or 'mixed' with compression, or drop wan_compression"
@@ -167,10 +187,15 @@ class _Distributed:
         """How many times the global tier has synchronized so far."""
         return self._geompi.global_syncs
 
-    def close(self) -> None:
+    def close(self) -> dict | None:
         """End this optimizer's job (MixedSync receives the final global model); the servers
-        then wait, idle, for the next DistributedOptimizer or ``geompi.finish()``."""
+        then wait, idle, for the next DistributedOptimizer or ``geompi.finish()``. Collective.
+
+        Returns the job's report on the master worker (None elsewhere): bytes per link class,
+        the peak WAN bytes of one round, every worker's wait and wall seconds.
+        """
         self._geompi.close()
+        return self._geompi.report
 
     geompi_close = close  # what geompi.session calls, whatever the optimizer defines
 
@@ -202,9 +227,14 @@ class Synchronizer:
         max_grad_norm: float | None,
         passes: int,
         server_spec: dict | None = None,
+        wan: dict | None = None,
     ) -> None:
         self.opt, self.model, self.algo, self.s = optimizer, model, algo, session
         self.server_spec = server_spec
+        self.wan = wan or {}
+        self.stats = LinkStats()  # this job's own counters (see report)
+        self.report: dict | None = None  # the job's figures, on the master after close()
+        self.t_start = time.perf_counter()
         self.max_grad_norm = max_grad_norm
         self.passes = passes
         self.master = session.rank == 0
@@ -215,7 +245,7 @@ class Synchronizer:
         self.float_buffers = synchronized_buffers(model)
         cfg = session.cfg
         timeout = cfg.comm_timeout and 4 * cfg.comm_timeout
-        self.client = PSClient(Link(session.comms.dc, LAN, session.stats), timeout)
+        self.client = PSClient(Link(session.comms.dc, LAN, self.stats), timeout)
         device = self.params[0].device if self.params else torch.device("cpu")
         nbuf = sum(b.numel() for b in self.float_buffers)
         # The extra key after the buckets. FSA: [samples, per-parameter "had a gradient",
@@ -281,7 +311,8 @@ class Synchronizer:
     # ---- start and end --------------------------------------------------------------------
     def start(self) -> None:
         """Tell the servers the algorithm, then the INIT round: the master's values for all."""
-        self.s.send_job(self.algo.job(), self.opt)
+        self.s.send_job({**self.algo.job(), "wan": self.wan}, self.opt)
+        self.t_start = time.perf_counter()
         self.init_round(self.server_spec)
 
     @torch.no_grad()
@@ -324,6 +355,12 @@ class Synchronizer:
             reqs.wait()
         else:
             self.client.stop()
+        from geompi.session import gather_report
+
+        wall = time.perf_counter() - self.t_start
+        self.report = gather_report(
+            self.s, {"role": "WORKER", **self.stats.as_dict(), "wall_s": wall}
+        )
 
     # ---- hooks ----------------------------------------------------------------------------
     def _before_forward(self, module, args, kwargs) -> None:

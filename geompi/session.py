@@ -139,21 +139,62 @@ def _serve(s: Session) -> None:
         job = _bcast_json(s.comms.world, None, idle=True)
         if job.get("sync") is None:
             return
+        stats = LinkStats()  # per job: the report covers this DistributedOptimizer only
         try:
-            make_server(
+            server = make_server(
                 job["sync"],
                 s.topo,
                 s.comms,
-                s.stats,
+                stats,
                 k2=int(job.get("k2", 1)),
                 on_nonfinite=cfg.on_nonfinite,
                 timeout=cfg.comm_timeout,
                 max_staleness=job.get("max_staleness", cfg.max_staleness),
-                wan=cfg.wan_settings(),
+                wan=job_wan(cfg, job),
                 streaming=job.get("streaming"),
-            ).run()
+            )
+            server.run()
         except Exception as e:  # noqa: BLE001 - one line, then every rank stops
             abort(e)
+        gather_report(s, {"role": s.role.name, **stats.as_dict(), **server.report()})
+
+
+def job_wan(cfg: RunConfig, job: dict):
+    """The WAN settings of one job: init()'s (or GEOMPI_WAN_*), overridden by the
+    DistributedOptimizer's own ``wan_*`` keywords."""
+    from geompi.ps.wan import WanSettings
+
+    over = job.get("wan") or {}
+    return WanSettings.parse(
+        over.get("wan_bandwidth", cfg.wan_bandwidth),
+        over.get("wan_latency", cfg.wan_latency),
+        over.get("lan_bandwidth", cfg.lan_bandwidth),
+        over.get("wan_compression", cfg.wan_compression),
+    )
+
+
+def gather_report(s: Session, mine: dict) -> dict | None:
+    """Collective over COMM_WORLD at the end of a job: every rank's figures reach the master,
+    which returns the job's report (None elsewhere). JSON text, never pickled objects."""
+    everyone = s.comms.world.gather(json.dumps(mine), root=0)
+    if everyone is None:
+        return None
+    ranks = [json.loads(r) for r in everyone]
+    by_role = {role: [r for r in ranks if r["role"] == role] for role in {r["role"] for r in ranks}}
+    local = by_role.get(Role.LOCAL_SERVER.name, [])
+    workers = by_role.get(Role.WORKER.name, [])
+    glob = by_role.get(Role.GLOBAL_SERVER.name, [])
+    return {
+        "wan_bytes": sum(r["wan_bytes"] for r in local),
+        "wan_data_bytes": sum(r["wan_data_bytes"] for r in local),
+        "global_in_bytes": sum(r["wan_received_bytes"] for r in glob),
+        "lan_bytes": sum(r["lan_bytes"] for r in ranks),
+        "peak_round_wan_bytes": max((r.get("peak_round_wan_bytes", 0) for r in local), default=0),
+        "wan_wait_s": [r["wan_wait_s"] for r in local],
+        "worker_wait_s": [r["lan_wait_s"] + r["wan_wait_s"] for r in workers],
+        "worker_wall_s": [r.get("wall_s", 0.0) for r in workers],
+        "per_rank": ranks,
+    }
 
 
 def finish() -> None:

@@ -62,6 +62,7 @@ class SyncUplink:
         self.timeout = timeout
         self.wan = Duplex(link_model) if link_model is not None and link_model.active else None
         self.codec = codec
+        self.peak_round_bytes = 0
         self._queue: deque = deque()  # (release time, requests, tensor, dest, tag, control)
 
     def _requests(self) -> Requests:
@@ -99,6 +100,7 @@ class SyncUplink:
     def begin(self, rnd: Round, spec: bytes | None) -> None:
         self.rnd = rnd
         self.sends = self._requests()
+        self.round_bytes = 0  # data bytes this round sends up (the peak is reported)
         hdr = wire_header(
             Round(rnd.op, rnd.round_id, rnd.keys, rnd.weight, len(spec or b""), rnd.flags).encode()
         )
@@ -120,6 +122,8 @@ class SyncUplink:
                     piece = self.codec.encode_push((key, g), piece, ref_weight)
                     self._keep.append(piece)
                 self._send(self.sends, piece, gs, TAG_DATA + i)
+                self.round_bytes += piece.numel() * piece.element_size()
+                self.peak_round_bytes = max(self.peak_round_bytes, self.round_bytes)
         self.sends.test()
 
     def end(self, weight: float) -> None:
@@ -328,7 +332,10 @@ class LocalServer:
                 self.bufs.get((k, "out"), n) if i in due else bufs[i]
                 for i, (k, n) in enumerate(rnd.keys)
             ]
-            results = self.uplink.receive([outs[i] for i in sorted(due)], block=not overlapped)
+            up = [outs[i] for i in sorted(due)]
+            results = (
+                self.uplink.receive(up, block=False) if overlapped else self.uplink.receive(up)
+            )
         if overlapped and due:  # answer with the datacenter averages; merge the global later
             for i in due:
                 key, n = rnd.keys[i]
@@ -405,7 +412,8 @@ class LocalServer:
 
     def report(self) -> dict:
         """What this server contributes to the run's summary."""
-        return {"dc": self.dc, "skipped_nonfinite": self.skipped}
+        peak = getattr(self.uplink, "peak_round_bytes", 0)
+        return {"dc": self.dc, "skipped_nonfinite": self.skipped, "peak_round_wan_bytes": peak}
 
     def _may_skip(self, rnd: Round) -> bool:
         """Whether a non-finite sum skips this round (weight 0) instead of raising."""

@@ -15,7 +15,6 @@ STEPS = 10
 
 geompi.init(dc_sizes=dc_sizes, global_servers=gs)
 w = geompi.worker_rank()
-stats = geompi.session.current().stats
 log = {}
 for kind in kinds:
     model = make_model(seed=1 + w)  # different on every worker: the master's must win
@@ -29,6 +28,7 @@ for kind in kinds:
         backward_passes_per_step=MICRO[kind] if kind == "accum" else 1,
     )
     loss_fn = torch.nn.CrossEntropyLoss()
+    stats = opt._geompi.stats  # this job's byte counters
     sent = []
     micro = MICRO.get(kind, 1)
     for t in range(STEPS):
