@@ -312,8 +312,9 @@ class Synchronizer:
     def start(self) -> None:
         """Tell the servers the algorithm, then the INIT round: the master's values for all."""
         self.s.send_job({**self.algo.job(), "wan": self.wan}, self.opt)
-        self.t_start = time.perf_counter()
         self.init_round(self.server_spec)
+        self.stats.reset_time()  # the report's waits and wall time cover training, not INIT
+        self.t_start = time.perf_counter()
 
     @torch.no_grad()
     def init_round(self, spec: dict | None = None) -> None:

@@ -122,8 +122,9 @@ class SyncUplink:
                     piece = self.codec.encode_push((key, g), piece, ref_weight)
                     self._keep.append(piece)
                 self._send(self.sends, piece, gs, TAG_DATA + i)
-                self.round_bytes += piece.numel() * piece.element_size()
-                self.peak_round_bytes = max(self.peak_round_bytes, self.round_bytes)
+                if self.rnd.op is not Op.INIT:  # the peak of training rounds
+                    self.round_bytes += piece.numel() * piece.element_size()
+                    self.peak_round_bytes = max(self.peak_round_bytes, self.round_bytes)
         self.sends.test()
 
     def end(self, weight: float) -> None:

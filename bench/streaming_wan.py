@@ -1,0 +1,225 @@
+"""FSA, HFA, streaming HFA and streaming HFA with int4, side by side in one job, under an
+emulated WAN, training the transformer of examples/transformer_lm.py through the public API.
+
+    mpirun -n 7 python bench/streaming_wan.py [--steps 96] [--fsa-slow-steps 16]
+
+Two datacenters of 2 workers + 1 local server, 1 global server. Every method trains the same
+model (AdamW, the standard library's source) from the same start. Two emulated links: 100 Mbit/s
+and 1 Gbit/s, both 50 ms one way.
+
+- The algorithms here are deterministic, so a method's loss after step s is the same on both
+  links: only the time differs. Every method runs ``--steps`` steps on the 1 Gbit/s link; on the
+  100 Mbit/s link FSA (whose every step moves the whole model) runs ``--fsa-slow-steps`` and its
+  time to the target is its median step time there times its steps to the target.
+- The target loss is FSA's final loss (the mean of its last 8 steps); a method's steps to the
+  target are the first step whose 8-step mean is at or below it.
+- WAN data bytes come from the local servers' counters (``opt.close()``'s report); the bytes to
+  the target are the run's bytes times the share of its steps needed (they accrue evenly by
+  datacenter round). Peak bytes per datacenter round: the most one local server sent up in one
+  round. Utilisation: 1 - (a worker's wait in MPI) / (its wall time), averaged over workers.
+
+Writes bench/results/streaming_wan.json (and a plot, with matplotlib, afterwards).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import pathlib
+import statistics
+import sys
+import time
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout
+
+import geompi  # noqa: E402
+
+_spec = importlib.util.spec_from_file_location(
+    "transformer_lm", ROOT / "examples/transformer_lm.py"
+)
+lm = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(lm)
+
+p = argparse.ArgumentParser()
+p.add_argument("--steps", type=int, default=96)
+p.add_argument("--fsa-slow-steps", type=int, default=16)
+p.add_argument("--k1", type=int, default=8)
+p.add_argument("--k2", type=int, default=4)
+p.add_argument("--fragments", type=int, default=4)
+p.add_argument("--batch-size", type=int, default=4)
+p.add_argument("--seq", type=int, default=64)
+p.add_argument("--latency", default="50ms")
+p.add_argument("--out", default=str(ROOT / "bench/results/streaming_wan.json"))
+args = p.parse_args()
+
+torch.set_num_threads(1)
+geompi.init(dc_sizes=(3, 3), global_servers=1)  # server ranks serve in here
+widx = geompi.worker_rank()
+data = lm.stdlib_corpus(1 << 20)
+dataset = lm.Windows(data, args.seq)
+LINKS = {"100Mbit": "100Mbit", "1Gbit": "1Gbit"}
+METHODS = {
+    "fsa": ("fsa", None),
+    "hfa": (geompi.HFA(k1=args.k1, k2=args.k2), None),
+    "streaming_hfa": (
+        geompi.HFA(k1=args.k1, k2=args.k2, fragments=args.fragments, overlap=True),
+        None,
+    ),
+    "streaming_hfa_int4": (
+        geompi.HFA(k1=args.k1, k2=args.k2, fragments=args.fragments, overlap=True),
+        "int4",
+    ),
+}
+
+
+def run(method: str, link: str, steps: int) -> dict:
+    sync, compression = METHODS[method]
+    torch.manual_seed(0)
+    model = lm.TinyGPT(seq=args.seq)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    opt = geompi.DistributedOptimizer(
+        opt,
+        model,
+        sync=sync,
+        bucket_mb=1,
+        wan_bandwidth=LINKS[link],
+        wan_latency=args.latency,
+        wan_compression=compression,
+    )
+    sampler = geompi.DistributedSampler(dataset, shuffle=True, seed=0)
+    loader = iter(torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, sampler=sampler))
+    loss_fn = torch.nn.CrossEntropyLoss()
+    losses, walls = [], []
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        x, y = next(loader)
+        opt.zero_grad()
+        loss = loss_fn(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        walls.append(time.perf_counter() - t0)
+    report = opt.close()
+    if report is None:
+        return {}
+    util = [1 - w / t for w, t in zip(report["worker_wait_s"], report["worker_wall_s"]) if t]
+    return {
+        "steps": steps,
+        "loss": losses,  # the master worker's, per step
+        "wall_s": walls,
+        "wan_data_bytes": report["wan_data_bytes"],
+        "peak_round_wan_bytes": report["peak_round_wan_bytes"],
+        "utilisation": statistics.mean(util),
+    }
+
+
+results: dict[str, dict[str, dict]] = {link: {} for link in LINKS}
+for link in ("1Gbit", "100Mbit"):
+    for method in METHODS:
+        steps = args.fsa_slow_steps if (method == "fsa" and link == "100Mbit") else args.steps
+        results[link][method] = run(method, link, steps)
+        if widx == 0:
+            r = results[link][method]
+            print(
+                f"{link:>8} {method:<20} {steps:>4} steps {r['wall_s'][-1]:8.1f} s "
+                f"util {r['utilisation']:.3f} wan {r['wan_data_bytes'] / 1e6:9.1f} MB "
+                f"peak/round {r['peak_round_wan_bytes'] / 1e6:7.2f} MB "
+                f"loss {r['loss'][-1]:.4f}",
+                flush=True,
+            )
+geompi.finish()
+if widx != 0:
+    sys.exit(0)
+
+
+def smooth(xs: list[float], n: int = 8) -> list[float]:
+    return [statistics.mean(xs[max(0, i - n + 1) : i + 1]) for i in range(len(xs))]
+
+
+fast = results["1Gbit"]
+target = smooth(fast["fsa"]["loss"])[-1]
+summary: dict[str, dict] = {}
+for link, runs in results.items():
+    for method, r in runs.items():
+        curve = smooth(fast[method]["loss"])
+        reach = next((i + 1 for i, v in enumerate(curve) if v <= target), None)
+        per_step = statistics.median(b - a for a, b in zip([0.0] + r["wall_s"][:-1], r["wall_s"]))
+        full_bytes = fast[method]["wan_data_bytes"] * (r["steps"] / fast[method]["steps"])
+        summary.setdefault(link, {})[method] = {
+            "utilisation": r["utilisation"],
+            "peak_round_wan_bytes": r["peak_round_wan_bytes"],
+            "steps_to_target": reach,
+            "time_to_target_s": None
+            if reach is None
+            else (r["wall_s"][reach - 1] if reach <= r["steps"] else reach * per_step),
+            "wan_data_bytes_to_target": None if reach is None else full_bytes * reach / r["steps"],
+            "final_loss_1gbit": curve[-1],
+        }
+s100 = summary["100Mbit"]
+fsa_bytes = s100["fsa"]["wan_data_bytes_to_target"]
+goals = {
+    "streaming_utilisation": s100["streaming_hfa"]["utilisation"],
+    "hfa_utilisation": s100["hfa"]["utilisation"],
+    "int4_fewer_wan_bytes_to_target_than_fsa": None
+    if not s100["streaming_hfa_int4"]["wan_data_bytes_to_target"]
+    else fsa_bytes / s100["streaming_hfa_int4"]["wan_data_bytes_to_target"],
+    "int4_final_loss_vs_fsa": s100["streaming_hfa_int4"]["final_loss_1gbit"] / target,
+    "streaming_peak_round_vs_hfa": s100["streaming_hfa"]["peak_round_wan_bytes"]
+    / s100["hfa"]["peak_round_wan_bytes"],
+}
+out = {
+    "benchmark": "streaming_wan",
+    "model": f"TinyGPT {sum(p.numel() for p in lm.TinyGPT(seq=args.seq).parameters())} params",
+    "settings": vars(args),
+    "target_loss": target,
+    "summary": summary,
+    "goals": goals,
+    "goal_bounds": {
+        "streaming_utilisation": ">= 0.95",
+        "int4_fewer_wan_bytes_to_target_than_fsa": ">= 1000",
+        "int4_final_loss_vs_fsa": "<= 1.01",
+        "streaming_peak_round_vs_hfa": f"<= 1/{args.fragments} (+ headers)",
+        "adaptive_sync": "not implemented yet",
+    },
+    "runs": results,
+}
+path = pathlib.Path(args.out)
+path.parent.mkdir(parents=True, exist_ok=True)
+path.write_text(json.dumps(out, indent=2) + "\n")
+print(json.dumps({"target_loss": target, "goals": goals}, indent=2))
+print(f"wrote {path}")
+try:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+except ImportError:
+    print("streaming_wan: no matplotlib; skipped the plot (pip install matplotlib)")
+    sys.exit(0)
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+for method, r in results["100Mbit"].items():
+    f = fast[method]
+    walls = r["wall_s"] if r["steps"] == f["steps"] else None
+    if walls is None:  # FSA on the slow link: its steps at the measured step time
+        per = statistics.median(b - a for a, b in zip([0.0] + r["wall_s"][:-1], r["wall_s"]))
+        walls = [per * (i + 1) for i in range(f["steps"])]
+    ax1.plot(walls, smooth(f["loss"]), label=method)
+    per_step_bytes = f["wan_data_bytes"] / f["steps"]
+    ax2.plot(
+        [per_step_bytes * (i + 1) / 1e6 for i in range(f["steps"])], smooth(f["loss"]), label=method
+    )
+ax1.set_xlabel("wall time (s), 100 Mbit/s 50 ms WAN")
+ax2.set_xlabel("WAN data (MB)")
+ax2.set_xscale("log")
+for ax in (ax1, ax2):
+    ax.set_ylabel("training loss (8-step mean)")
+    ax.axhline(target, color="grey", lw=0.5)
+    ax.legend()
+fig.tight_layout()
+png = path.with_suffix(".png")
+fig.savefig(png, dpi=100)
+print(f"wrote {png}")
