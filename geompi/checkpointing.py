@@ -7,7 +7,10 @@ What goes where in the file:
   ``step`` are stored per parameter as 0-d tensors).
 - ``/algorithm``: ``dcasgd/backup/dc<d>/<param>``, ``hfa/outer_momentum/<param>``, HFA's
   counters and each worker's local optimizer state (``hfa/local/worker<i>/<state>/<param>``).
-- ``/progress``: per-worker data positions (``data_positions``: epoch, position) and RNG states.
+- ``/algorithm@global_updates``: the global servers' update counter.
+- ``/progress``: per-worker data positions (``data_positions``: epoch, position), steps
+  (``steps``) and RNG states. In MixedSync each datacenter's entries are its own progress at
+  the checkpoint's version (see docs/checkpoint-format.md).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from collections import defaultdict
 import torch
 
 from geompi import ckpt
+from geompi.comm.compression import make_compressor
 from geompi.errors import CheckpointError
 from geompi.ps.protocol import TAG_RESTORE, TAG_SNAPSHOT, Op
 from geompi.runtime import say
@@ -66,43 +70,68 @@ class Checkpointing:
         self.names = worker.buckets.named_slices()  # name -> (key, offset, numel, shape)
         self.loaded: ckpt.Checkpoint | None = None
         self.restore_note = ""
+        self.starts: list[dict] | None = None  # MixedSync, master: every worker's run start
+        self.saved_step = -1  # the step of this run's last checkpoint
+        self.saved_model: dict[str, torch.Tensor] | None = None  # master: its /model
+
+    def record_starts(self) -> None:
+        """Collective over all workers (MixedSync with checkpoints): where each worker starts,
+        so the master can write every datacenter's own progress at a checkpoint's version.
+        The data position follows from it (one batch per step); the RNG state is the start's:
+        geompi's models draw no random numbers while training."""
+        w = self.w
+        mine = {
+            "dc": w.dc,
+            "step": w.step,
+            "loader": w.loader.state_dict(),
+            "steps_per_epoch": w.loader.steps_per_epoch,
+            "rng": torch.get_rng_state(),
+        }
+        self.starts = w.comms.all_workers.gather(mine, root=0)
 
     # ---- saving ---------------------------------------------------------------------------
-    def save(self, step: int, metrics: dict) -> pathlib.Path | None:
+    def save(self, step: int, metrics: dict, final: bool = False) -> pathlib.Path | None:
         """Every worker of ``w.group`` calls this at the same step; the master writes the file.
 
         The group is all workers, except in MixedSync where it is datacenter 0 alone: the other
         datacenters keep training, and the global servers' snapshot is one consistent version.
+        ``final`` (MixedSync, after ``finish``): the global servers' last snapshot, which they
+        send unasked once every datacenter is done, so no SAVE round.
         """
         w = self.w
-        reqs = w.client.start(Op.SAVE, [])
-        reqs.wait()
+        if not final:
+            reqs = w.client.start(Op.SAVE, [])
+            reqs.wait()
         snaps = []
         if w.master:  # before the gather: in MixedSync, other datacenters still need the servers
-            snaps = sorted(
-                (w.comms.world.recv(source=gs, tag=TAG_SNAPSHOT) for gs in w.topo.global_servers),
-                key=lambda s: s["index"],
-            )
+            snaps = self._receive_snapshots()
         mine = {
             "loader": w.loader.state_dict(),
             "rng": torch.get_rng_state(),
             "local": self._local_state(),
         }
         everyone = w.group.gather(mine, root=0)
+        self.saved_step = step
         if not w.master:
             return None
         model, optimizer, algorithm = self._assemble(snaps)
+        self.saved_model = model
         algorithm["strategy"] = {k: int(v) for k, v in w.strategy.state().items()}
+        algorithm["global_updates"] = int(snaps[0]["updates"])
         if any(m["local"] for m in everyone):
             algorithm["hfa"] = {
                 **algorithm.get("hfa", {}),
                 "local": {f"worker{i}": m["local"] for i, m in enumerate(everyone)},
             }
+        per_worker = [
+            (m["loader"]["epoch"], m["loader"]["position"], step, m["rng"]) for m in everyone
+        ]
+        if self.starts is not None:  # MixedSync: every datacenter at the snapshot's version
+            per_worker = self._progress_at(snaps[0]["cut"], step, everyone)
         progress = {
-            "data_positions": torch.tensor(
-                [[m["loader"]["epoch"], m["loader"]["position"]] for m in everyone]
-            ),
-            "rng": {f"worker{i}": m["rng"] for i, m in enumerate(everyone)},
+            "data_positions": torch.tensor([[e, p] for e, p, _, _ in per_worker]),
+            "steps": torch.tensor([s for _, _, s, _ in per_worker]),
+            "rng": {f"worker{i}": r for i, (_, _, _, r) in enumerate(per_worker)},
         }
         cfg = w.cfg
         path = pathlib.Path(cfg.checkpoint_dir) / ckpt.checkpoint_name(step)
@@ -123,6 +152,50 @@ class Checkpointing:
         ckpt.prune(cfg.checkpoint_dir, cfg.keep)
         return path
 
+    def _receive_snapshots(self) -> list[dict]:
+        w = self.w
+        return sorted(
+            (w.comms.world.recv(source=gs, tag=TAG_SNAPSHOT) for gs in w.topo.global_servers),
+            key=lambda s: s["index"],
+        )
+
+    def _progress_at(self, cut: list[int], step: int, dc0: list[dict]) -> list[tuple]:
+        """(epoch, position, step, rng) of every worker once its datacenter has made the
+        deposits ``cut`` counts (the snapshot's version); datacenter 0's are its current ones."""
+        out = []
+        for i, st in enumerate(self.starts):
+            d = st["dc"]
+            s = st["step"] + cut[d]
+            if d == 0:
+                if s != step:
+                    raise CheckpointError(
+                        f"datacenter 0 is at step {step} but the global servers hold "
+                        f"{cut[0]} of its deposits since step {st['step']}: this is a geompi "
+                        "bug; resume from an earlier checkpoint and report it"
+                    )
+                m = dc0[i]
+                out.append((m["loader"]["epoch"], m["loader"]["position"], s, m["rng"]))
+                continue
+            total = st["loader"]["position"] + cut[d]  # one batch per step
+            spe = st["steps_per_epoch"]
+            out.append((st["loader"]["epoch"] + total // spe, total % spe, s, st["rng"]))
+        return out
+
+    def global_model(self) -> None:
+        """Collective over all workers (FSA, HFA): the master's model becomes the global model
+        (with a lossy WAN codec a worker holds its replica of it, which differs)."""
+        w = self.w
+        model = self.saved_model
+        if self.saved_step != w.step:
+            reqs = w.client.start(Op.SAVE, [])
+            reqs.wait()
+            if w.master:
+                model = self._assemble(self._receive_snapshots())[0]
+        if w.master:
+            with torch.no_grad():
+                for name, p in w.model.named_parameters():
+                    p.copy_(model[name].to(p.device))
+
     def _local_state(self) -> dict:
         """This worker's local optimizer state by parameter name (HFA), else {}."""
         opt = self.w.local_opt
@@ -137,6 +210,13 @@ class Checkpointing:
 
     def _assemble(self, snaps: list[dict]):
         """Full per-name tensors from the shards of every global server."""
+        versions = {(tuple(s.get("cut", ())), s["updates"]) for s in snaps}
+        if len(versions) > 1:
+            raise CheckpointError(
+                "the global servers' snapshots are of different versions (deposits per "
+                f"datacenter, updates: {sorted(versions)}): this is a geompi bug; resume from an "
+                "earlier checkpoint and report it"
+            )
         keys = sorted(snaps[0]["values"])
         flat = {k: torch.cat([s["values"][k] for s in snaps]) for k in keys}
         model = self._by_name(flat)
@@ -146,9 +226,16 @@ class Checkpointing:
             per_key = {}
             for k in keys:
                 parts = [s["state"].get(k, {}).get(state_name) for s in snaps]
-                parts = [p for p in parts if p is not None]
-                if not parts:
+                if all(p is None for p in parts):
                     continue
+                if any(p is None for p in parts) or (
+                    parts[0].dim() == 0 and any(not torch.equal(p, parts[0]) for p in parts)
+                ):
+                    raise CheckpointError(
+                        f"optimizer state {state_name} of key {k} differs between the global "
+                        "servers' snapshots: this is a geompi bug; resume from an earlier "
+                        "checkpoint and report it"
+                    )
                 per_key[k] = parts[0] if parts[0].dim() == 0 else torch.cat(parts)
             named = self._by_name(per_key)
             m = _BACKUP.match(state_name)
@@ -185,6 +272,17 @@ class Checkpointing:
                 f"checkpoint {path} was written by --sync {ck.algorithm_name}: resume it with "
                 f"--sync {ck.algorithm_name}"
             )
+        config = ck.attrs.get("config") or {}
+        written = (json.loads(config) if isinstance(config, str) else config).get(
+            "wan_compression", "none"
+        )
+        now = w.cfg.wan_settings().compression
+        if make_compressor(written).lossy and make_compressor(now).lossy:
+            raise CheckpointError(
+                f"checkpoint {path} was written with lossy --wan-compression {written}, whose "
+                "residuals and replicas (held by the local servers) it does not hold, so a "
+                "resume would not continue that run: resume with --wan-compression none"
+            )
         with torch.no_grad():
             for name, p in w.model.named_parameters():
                 p.copy_(ck.model[name].to(p.device))
@@ -204,6 +302,7 @@ class Checkpointing:
                 "rng": ck.progress.get("rng", {}),
                 "local": ck.algorithm.get("hfa", {}).get("local", {}),
                 "strategy": ck.algorithm.get("strategy", {}),
+                "steps": ck.progress["steps"].tolist() if "steps" in ck.progress else None,
                 "old": old,
             }
         info = w.comms.all_workers.bcast(info, root=0)
@@ -221,6 +320,9 @@ class Checkpointing:
             self._load_local(local)
         w.strategy.load_state(info["strategy"])
         w.step = info["step"]
+        if same and info["steps"] is not None:  # MixedSync: each datacenter its own step
+            w.step = int(info["steps"][w.widx])
+            w.strategy.global_syncs += w.step - info["step"]
         old, new = info["old"], w.topo.describe()
         if old != new:
             self.restore_note = (
@@ -228,6 +330,16 @@ class Checkpointing:
                 f"global server(s) to {new['dc_sizes']} + {new['global_servers']}: model and "
                 "optimizer state re-sharded"
                 + ("" if same else ", data positions and local optimizer state reset")
+                + ")"
+            )
+        steps = info["steps"]
+        if same and steps is not None and len(set(steps)) > 1:
+            per_dc = {}
+            for i, st in enumerate(steps):
+                per_dc.setdefault(w.topo.dc_of(w.topo.all_workers[i]), st)
+            self.restore_note += (
+                " (each datacenter at its own step: "
+                + ", ".join(f"dc{d} {st}" for d, st in sorted(per_dc.items()))
                 + ")"
             )
         return info
@@ -250,6 +362,7 @@ class Checkpointing:
             ck.optimizer
             or ck.algorithm.get("dcasgd")
             or ck.algorithm.get("hfa", {}).get("outer_momentum")
+            or ck.algorithm.get("global_updates")
         ):
             return None
         per_state: dict[str, dict[str, torch.Tensor]] = dict(ck.optimizer)
@@ -277,7 +390,12 @@ class Checkpointing:
                 {
                     "state": dict(state),
                     "outer": dict(outer_g),
-                    "updates": int(ck.algorithm.get("strategy", {}).get("global_syncs", 0)),
+                    "updates": int(
+                        ck.algorithm.get(
+                            "global_updates",  # older files: the best guess there is
+                            ck.algorithm.get("strategy", {}).get("global_syncs", 0),
+                        )
+                    ),
                 }
             )
         return out

@@ -194,6 +194,7 @@ class Worker:
         saved_at = -1
         # HFA stops (and checkpoints) only on a global sync, so a resume is exact.
         period = cfg.k1 * cfg.k2 if cfg.sync == "hfa" else 1
+        mixed = cfg.sync == "mixed"
         while self.step < self.total_steps:
             t0 = time.perf_counter()
             self.client.step = self.step + 1
@@ -235,9 +236,12 @@ class Worker:
                             "wall_s": now - t_start,
                         }
                     )
+            # MixedSync's last checkpoint comes after finish(), once the final model exists
+            last = mixed and self.step == self.total_steps
             if self.checkpoints and cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
-                self._save(log)
-                saved_at = self.step
+                if not last:
+                    self._save(log)
+                    saved_at = self.step
             # Agreeing on a stop is a collective over every worker: HFA polls only at its
             # global syncs, so that no cross-datacenter exchange happens between them.
             if not stopping and self.step < self.total_steps and self.step % period == 0:
@@ -247,9 +251,13 @@ class Worker:
                 break
         train_s = time.perf_counter() - t_start  # before waiting for other datacenters
         stop.close()
-        if self.checkpoints and saved_at != self.step:
+        if self.checkpoints and saved_at != self.step and not mixed:
             self._save(log)
-        self.strategy.finish()
+        if not mixed and cfg.wan_settings().compression != "none":
+            self.ckpt.global_model()  # the model returned is the global one, not a replica
+        self.strategy.finish()  # MixedSync: every worker receives the final global model
+        if self.checkpoints and mixed:
+            self._save(log, final=True)
         wall = time.perf_counter() - t_start
         out = {
             "steps": self.step,
@@ -276,20 +284,27 @@ class Worker:
                 say_resumed(self.resume_path, info["step"], self.ckpt.restore_note)
             elif self.cfg.resume:
                 say(f"geompi: no checkpoint in {self.cfg.checkpoint_dir} yet; starting fresh")
+            extra = {}
             if self.ckpt.server_states() is not None:
-                spec = json.loads(self.strategy.spec)
-                self.strategy.spec = json.dumps({**spec, "restore": True}).encode()
+                extra["restore"] = True
                 send = self.ckpt.send_server_states
+            if self.cfg.sync == "mixed" and self.cfg.checkpoint_dir:
+                extra["final_snapshot"] = True  # for the checkpoint written after finish()
+            if extra:
+                spec = {**json.loads(self.strategy.spec), **extra}
+                self.strategy.spec = json.dumps(spec, sort_keys=True).encode()
+        if self.cfg.sync == "mixed" and self.cfg.checkpoint_dir:
+            self.ckpt.record_starts()
         self.strategy.start(send_restore=send)
 
-    def _save(self, log: MetricsLog | None) -> None:
+    def _save(self, log: MetricsLog | None, final: bool = False) -> None:
         from geompi.data import evaluate
 
         metrics = {}
         if self.master:
             acc, loss = evaluate(self.model, self.ds.x_test, self.ds.y_test)
             metrics = {"test_acc": acc, "test_loss": loss}
-        path = self.ckpt.save(self.step, metrics)
+        path = self.ckpt.save(self.step, metrics, final=final)
         if log is not None and path is not None:
             log.write({"step": self.step, "checkpoint": str(path), **metrics})
 

@@ -120,7 +120,8 @@ def send_with_feedback(res, sums, d, n, lo, hi, compress, skipped, consume_skipp
 
 
 def replay_fsa(meta, model_kw, nan, lr, compress, consume_skipped=False):
-    """FSA over a compressed global tier; returns the workers' final model and the replay."""
+    """FSA over a compressed global tier; returns the global model (what ``train()`` returns,
+    not the workers' replica of it) and the replay."""
     r = Replay(meta, model_kw, nan)
     values = {n: v.clone() for n, v in r.init.items()}  # the global servers'
     replica = {n: v.clone() for n, v in r.init.items()}  # what every datacenter holds
@@ -141,7 +142,7 @@ def replay_fsa(meta, model_kw, nan, lr, compress, consume_skipped=False):
                     total.add_(s)
                 values[n][lo:hi].add_(total / weight, alpha=-lr)
                 replica[n][lo:hi] += compress(values[n][lo:hi] - replica[n][lo:hi])
-    return replica, r
+    return values, r
 
 
 def replay_mixed(meta, model_kw, nan, lr, compress, consume_skipped=False):

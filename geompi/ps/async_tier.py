@@ -3,6 +3,11 @@ waiting for other datacenters; each global server applies deposits in arrival or
 
 The start (INIT rounds) is synchronous. A local server's first gradient round sends an ASYNC
 header to every global server, after which all of them create the windows together.
+
+Checkpoints are one version across shards: on a save request each owner stops applying
+deposits, the owners agree on a *cut* (per datacenter, the most deposits any owner has applied;
+the others are at most one behind, as a datacenter deposits again only after every owner
+answered), each catches up to it, and then snapshots. See docs/checkpoint-format.md.
 """
 
 from __future__ import annotations
@@ -204,8 +209,22 @@ class AsyncUplink:
             off += region_bytes(codec, m)
 
 
+TAG_CUT = 23  # on global_comm, between global servers: the deposits each has applied
+
+
 class AsyncGlobalServer(GlobalServer):
     """A global server of MixedSync: sync INIT rounds, then apply deposits as they arrive."""
+
+    final_snapshot = False  # the spec's ``final_snapshot``: a last snapshot once all are done
+
+    def configure(self, spec: dict) -> None:
+        super().configure(spec)
+        if "final_snapshot" in spec:
+            self.final_snapshot = bool(spec["final_snapshot"])
+
+    def snapshot(self) -> dict:
+        """The base snapshot plus its version: the deposits applied per datacenter."""
+        return {**super().snapshot(), "cut": list(getattr(self, "applied", []))}
 
     def run(self) -> None:
         while True:  # synchronous until every local server sent ASYNC (or STOP)
@@ -231,9 +250,12 @@ class AsyncGlobalServer(GlobalServer):
         self.staleness: list[tuple[int, int, float]] = []  # (dc, staleness, seconds) per update
         self.t0 = time.perf_counter()
         self.last_version = [0] * self.topo.num_dcs
+        self.applied = [0] * self.topo.num_dcs  # deposits applied per datacenter (this run)
         self.deposits: list[dict] = []  # applied order: what GEOMPI_TEST_DEPOSIT_LOG writes
         self._serve_async()
         self._write_deposit_log()
+        if self.final_snapshot:  # every deposit of every datacenter: the same on every owner
+            self.send_snapshot()
 
     def _serve_async(self) -> None:
         win, ndc = self.win, self.topo.num_dcs
@@ -243,10 +265,11 @@ class AsyncGlobalServer(GlobalServer):
             ctrl = win.ctrl.copy()
             win.unlock_self()
             if ctrl[SAVE_REQUEST]:
-                self.send_snapshot()  # a consistent version: between two updates
+                self._save_at_cut()
                 win.lock_self()
                 win.ctrl[SAVE_REQUEST] = 0
                 win.unlock_self()
+                continue  # ctrl is stale: the catch-up applied deposits
             pending = sorted(
                 (per_dc(ctrl, d, PENDING), d) for d in range(ndc) if per_dc(ctrl, d, PENDING) > 0
             )
@@ -262,6 +285,40 @@ class AsyncGlobalServer(GlobalServer):
         self._publish_final()
         for w in self.wins:  # collective, in the same order on every rank
             w.free()
+
+    def _save_at_cut(self) -> None:
+        """Snapshot after the same deposits as every other owner (the agreed cut)."""
+        cut = self._agree_cut()
+        pause = 2e-5
+        while self.applied != cut:
+            self.win.lock_self()
+            ctrl = self.win.ctrl.copy()
+            self.win.unlock_self()
+            due = [
+                d
+                for d in range(self.topo.num_dcs)
+                if self.applied[d] < cut[d] and per_dc(ctrl, d, PENDING) > 0
+            ]
+            for d in due:  # the one deposit this owner still lacks from d
+                self._apply_deposit(d, ctrl)
+            if not due:
+                time.sleep(pause)
+                pause = min(pause * 2, 1e-3)
+        self.send_snapshot()
+
+    def _agree_cut(self) -> list[int]:
+        """Exchange the applied counts with the other owners; the cut is their maximum."""
+        comm, ndc = self.link.comm, self.topo.num_dcs
+        me = ndc + self.index
+        others = [ndc + g for g in range(self.topo.num_global_servers) if ndc + g != me]
+        mine = list(self.applied)
+        sends = [comm.isend(mine, dest=o, tag=TAG_CUT) for o in others]
+        cut = mine
+        for o in others:
+            cut = [max(a, b) for a, b in zip(cut, comm.recv(source=o, tag=TAG_CUT))]
+        for r in sends:
+            r.wait()
+        return cut
 
     def _apply_deposit(self, d: int, ctrl: np.ndarray) -> None:
         win = self.win
@@ -295,6 +352,7 @@ class AsyncGlobalServer(GlobalServer):
         set_per_dc(win.ctrl, d, PENDING, 0)
         win.unlock_self()
         self.last_version[d] = version + 1
+        self.applied[d] += 1
 
     def _pulled(self, k: int, d: int) -> None:
         """Tell the optimizer what datacenter d holds of key k now: with a codec its replica
