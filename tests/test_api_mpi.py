@@ -78,8 +78,15 @@ def test_clipping_was_active(fsa_2gs):
     assert max(float((a[k] - b[k]).abs().max()) for k in a) > 1e-3
 
 
-def test_hfa_uneven_datacenters_two_global_servers_momentum(tmp_path):
-    mpirun(10, ["-m", "mpi4py", prog("api_hfa.py"), str(tmp_path), "3,5", "2", "sim"], 300)
+@pytest.fixture(scope="module")
+def hfa_sim(tmp_path_factory):
+    out = tmp_path_factory.mktemp("api_hfa")
+    mpirun(10, ["-m", "mpi4py", prog("api_hfa.py"), str(out), "3,5", "2", "sim"], 300)
+    return out
+
+
+def test_hfa_uneven_datacenters_two_global_servers_momentum(hfa_sim):
+    tmp_path = hfa_sim
     refs = hfa_reference([2, 4], k1=2, k2=3, steps=12)
     init = make_model(1).state_dict()
     for w, ref in enumerate(refs):
@@ -101,12 +108,11 @@ def test_hfa_equals_torch_post_local_sgd_with_hierarchical_averager(tmp_path):
         assert max(float((ours[k] - theirs[k]).abs().max()) for k in ours) <= 1e-5, w
 
 
-def test_hfa_uniform_weighting_counts_every_datacenter_the_same(tmp_path):
+def test_hfa_uniform_weighting_counts_every_datacenter_the_same(hfa_sim):
     """GeoMX's uniform rule on datacenters of 2 and 4 workers: not the per-worker mean."""
-    mpirun(10, ["-m", "mpi4py", prog("api_hfa.py"), str(tmp_path), "3,5", "2", "uniform"], 300)
     refs = hfa_reference([2, 4], k1=2, k2=3, steps=12, uniform=True)
     per_worker = hfa_reference([2, 4], k1=2, k2=3, steps=12)
-    got = torch.load(tmp_path / "hfa-w0.pt")
+    got = torch.load(hfa_sim / "uniform-w0.pt")
     assert max(float((got[k] - refs[0][k]).abs().max()) for k in got) <= 1e-5
     assert max(float((got[k] - per_worker[0][k]).abs().max()) for k in got) > 1e-4
 
@@ -115,8 +121,11 @@ def test_hfa_uniform_weighting_counts_every_datacenter_the_same(tmp_path):
 MISC_WORKERS = 5  # dc_sizes (3, 4): 2 + 3 workers, 2 global servers
 
 
-def _misc(tmp_path, mode, check=True):
-    return mpirun(9, ["-m", "mpi4py", prog("api_misc.py"), str(tmp_path), mode], 300, check=check)
+def _misc(tmp_path, mode, check=True, ranks=9):
+    args = ["-m", "mpi4py", prog("api_misc.py"), str(tmp_path), mode]
+    if ranks != 9:
+        args.append("small")  # 1 datacenter of 2 workers + 1 global server
+    return mpirun(ranks, args, 300, check=check)
 
 
 def _load(tmp_path, tag):
@@ -244,7 +253,7 @@ def test_mixedsync_trains_the_users_sgd_and_dcasgd(tmp_path):
 def test_user_errors_are_one_line_and_stop_every_rank(tmp_path, mode, words):
     from tests.mpirun import error_lines
 
-    res = _misc(tmp_path, mode, check=False)
+    res = _misc(tmp_path, mode, check=False, ranks=4)
     assert res.returncode != 0
     lines = error_lines(res.stderr)
     assert len(lines) == 1 and words in lines[0], res.stderr[-3000:]

@@ -1,7 +1,7 @@
-"""HFA through the public API. ``sim``: uneven datacenters, momentum 0.9, sample weighting (or
-``uniform``: GeoMX's); every worker saves its final state. ``torch``: the same run next to
-torch's PostLocalSGDOptimizer with HierarchicalModelAverager over gloo among the workers
-(equal batches, even datacenters)."""
+"""HFA through the public API. ``sim``: uneven datacenters, momentum 0.9, sample weighting, then
+GeoMX's uniform weighting in the same job; every worker saves its final states. ``torch``: the
+same run next to torch's PostLocalSGDOptimizer with HierarchicalModelAverager over gloo among
+the workers (equal batches, even datacenters)."""
 
 import sys
 import zlib
@@ -25,19 +25,23 @@ def data(t):
     return (x[:3], y[:3], False) if mode == "torch" else (x, y, use_extra(w, t))
 
 
-model = make_model(seed=1 + w)
-weighting = "uniform" if mode == "uniform" else "samples"
-opt = geompi.DistributedOptimizer(
-    hfa_optimizer(model), model, sync=geompi.HFA(k1=K1, k2=K2, weighting=weighting), bucket_mb=0.002
-)
-loss_fn = torch.nn.CrossEntropyLoss()
-for t in range(STEPS):
-    x, y, extra = data(t)
-    opt.zero_grad()
-    loss_fn(model(x, extra), y).backward()
-    opt.step()
-assert opt.global_syncs == STEPS // (K1 * K2), opt.global_syncs
-torch.save(model.state_dict(), f"{out}/hfa-w{w}.pt")
+def train(weighting: str, tag: str) -> None:
+    model = make_model(seed=1 + w)
+    algo = geompi.HFA(k1=K1, k2=K2, weighting=weighting)
+    opt = geompi.DistributedOptimizer(hfa_optimizer(model), model, sync=algo, bucket_mb=0.002)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    for t in range(STEPS):
+        x, y, extra = data(t)
+        opt.zero_grad()
+        loss_fn(model(x, extra), y).backward()
+        opt.step()
+    assert opt.global_syncs == STEPS // (K1 * K2), opt.global_syncs
+    torch.save(model.state_dict(), f"{out}/{tag}-w{w}.pt")
+
+
+train("samples", "hfa")
+if mode == "sim":  # the same job also runs GeoMX's uniform weighting
+    train("uniform", "uniform")
 geompi.finish()
 
 if mode == "torch":
@@ -52,6 +56,7 @@ if mode == "torch":
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=w, world_size=workers
     )
     per_dc = dc_sizes[0] - 1
+    loss_fn = torch.nn.CrossEntropyLoss()
     model = make_model(seed=1)
     averager = HierarchicalModelAverager({K1: per_dc, K1 * K2: workers}, warmup_steps=0)
     averager.step = 1  # average after steps K1, 2*K1, ... (not on the first call)
