@@ -26,6 +26,7 @@ from geompi.ps.protocol import (
     Round,
     agree,
     header_len,
+    presence_position,
     wire_header,
 )
 from geompi.ps.wan import TierCodec
@@ -62,8 +63,11 @@ class SyncUplink:
     def _requests(self) -> Requests:
         return Requests(self.link.stats, self.timeout, "the global servers")
 
-    def _compressed(self) -> bool:
-        return self.codec is not None and self.rnd.op in (Op.GRAD, Op.AVG)
+    def _compressed(self, i: int | None = None) -> bool:
+        """Whether this round's data (key ``i`` of it) travels compressed: not a presence key."""
+        if self.codec is None or self.rnd.op not in (Op.GRAD, Op.AVG):
+            return False
+        return i is None or i != presence_position(self.rnd)
 
     # ---- sends, through the emulated link when there is one -----------------------------
     def _send(self, reqs: Requests, t: torch.Tensor, dest: int, tag: int, control=False) -> None:
@@ -111,7 +115,7 @@ class SyncUplink:
             lo, hi = self.topo.shard_bounds(n, g)
             if hi > lo:
                 piece = buf[lo:hi]
-                if self._compressed():
+                if self._compressed(i):
                     piece = self.codec.encode_push((key, g), piece, ref_weight)
                     self._keep.append(piece)
                 self._send(self.sends, piece, gs, TAG_DATA + i)
@@ -135,7 +139,7 @@ class SyncUplink:
                 lo, hi = self.topo.shard_bounds(n, g)
                 if hi <= lo:
                     continue
-                if self._compressed():
+                if self._compressed(i):
                     payload = torch.empty(self.codec.nbytes(hi - lo), dtype=torch.uint8)
                     self.link.irecv(reqs, payload, gs, TAG_RESULT + i)
                     decode = partial(self.codec.decode_pull, (key, g), payload, out[lo:hi])

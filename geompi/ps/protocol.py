@@ -38,6 +38,10 @@ FLAG_WEIGHT_FINAL = 4
 # Python API's default). Servers neither step nor judge non-finite sums: the workers, which see
 # the same sum, decide together (a GradScaler skips the step on every worker at once).
 FLAG_RAW = 8
+# GRAD: the round's last key is per-parameter presence (FSA's layout, see geompi.sync.fsa): a
+# count of the workers whose gradient for each parameter exists, one full copy per global server.
+# Servers sum it like any key but never compress it, and skip the parameters it counts 0 for.
+FLAG_PRESENCE = 16
 
 MAX_KEYS = 256
 _FIXED = 7  # op, round, weight, nkeys, spec_len, flags, step
@@ -90,6 +94,11 @@ class Round:
         op, rid, weight, nkeys, spec_len, flags, step = h[:_FIXED].tolist()
         keys = [(int(h[_FIXED + 2 * i]), int(h[_FIXED + 2 * i + 1])) for i in range(int(nkeys))]
         return cls(Op(int(op)), int(rid), keys, weight, int(spec_len), int(flags), int(step))
+
+
+def presence_position(rnd: Round) -> int | None:
+    """The position of the round's presence key (FLAG_PRESENCE), else None."""
+    return len(rnd.keys) - 1 if rnd.flags & FLAG_PRESENCE and rnd.keys else None
 
 
 def header_len() -> int:
