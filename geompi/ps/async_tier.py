@@ -33,7 +33,7 @@ from geompi.comm.transport import WAN, Requests
 from geompi.errors import ConfigError
 from geompi.ps.global_server import GlobalServer
 from geompi.ps.local_server import SyncUplink
-from geompi.ps.protocol import MAX_KEYS, Op, Round, presence_position
+from geompi.ps.protocol import FLAG_PRESENCE, MAX_KEYS, Op, Round, presence_position
 from geompi.ps.wan import TierCodec
 
 
@@ -92,9 +92,12 @@ class AsyncUplink:
             self.sync.end(weight)
             return
         self._respect_staleness()
-        keys, ids = self.rnd.keys, [k for k, _ in self.rnd.keys]
+        keys, bufs, flags = self.rnd.keys, self.bufs, self.rnd.flags
         plain = presence_position(self.rnd)
-        packed = [self._pack(g, keys, self.bufs, plain) for g in range(len(self.wins))]
+        if plain is not None and not bufs[plain].numel():  # all present: deposit no presence
+            keys, bufs, flags, plain = keys[:plain], bufs[:plain], flags & ~FLAG_PRESENCE, None
+        ids = [k for k, _ in keys]
+        packed = [self._pack(g, keys, bufs, plain) for g in range(len(self.wins))]
         if self.sync.codec is not None:  # weight 0: the global servers skip this deposit
             self.sync.codec.end_push(weight > 0)
         wan = self.sync.wan  # an emulated link releases the deposits one after the other
@@ -102,19 +105,20 @@ class AsyncUplink:
         for g, win in enumerate(self.wins):
             if due is not None:
                 self.sync.link.stats.held(WAN, wan.up.hold_until(due[g]))
-            win.deposit(self.dc, packed[g].numpy(), weight, self.rnd.flags, ids)
+            win.deposit(self.dc, packed[g].numpy(), weight, flags, ids)
 
     def receive(self, outs: list[torch.Tensor]) -> list[Requests]:
         if self.rnd.op is Op.INIT:
             return self.sync.receive(outs)
         keys, burst = self.rnd.keys, []
+        if presence_position(self.rnd) is not None:  # the workers need no presence back
+            keys = keys[:-1]
         for g, win in enumerate(self.wins):
             win.wait_until(lambda c: per_dc(c, self.dc, PENDING) == 0, "its update")
-            plain = presence_position(self.rnd)
-            packed = torch.empty(self._packed_len(g, keys, self.sync.codec, plain))
+            packed = torch.empty(self._packed_len(g, keys, self.sync.codec))
             win.fetch(self.dc, packed.numpy())
             self._hold_fetch(burst, packed.numel() * 4)
-            self._unpack(g, keys, outs, packed, self.sync.codec, plain)
+            self._unpack(g, keys, outs, packed, self.sync.codec)
         return [Requests(self.sync.link.stats) for _ in outs]  # already complete
 
     def _hold_fetch(self, burst: list[float], nbytes: int) -> None:
@@ -199,11 +203,10 @@ class AsyncUplink:
             off += region_bytes(codec, piece.numel())
         return out
 
-    def _unpack(self, g: int, keys, bufs, packed: torch.Tensor, codec, plain=None) -> None:
-        raw, off, tier = packed.view(torch.uint8), 0, codec
-        for i, (rkey, piece) in enumerate(self._slices(g, keys, bufs)):
+    def _unpack(self, g: int, keys, bufs, packed: torch.Tensor, codec) -> None:
+        raw, off = packed.view(torch.uint8), 0
+        for rkey, piece in self._slices(g, keys, bufs):
             m = piece.numel()
-            codec = _codec(tier, i, plain)
             if codec is None:
                 piece.copy_(raw[off : off + 4 * m].view(torch.float32))
             else:

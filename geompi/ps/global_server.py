@@ -11,6 +11,7 @@ from geompi.comm.topology import Communicators, Topology
 from geompi.comm.transport import WAN, Link, LinkStats, Requests
 from geompi.ps.optim import Piece, ServerOptimizer, outer_step, shard_pieces, spec_from_dict
 from geompi.ps.protocol import (
+    FLAG_PRESENCE,
     FLAG_RAW,
     FLAG_SUM,
     FLAG_WEIGHT_FINAL,
@@ -24,8 +25,10 @@ from geompi.ps.protocol import (
     Op,
     Round,
     agree,
+    expect_presence,
     header_len,
     presence_position,
+    received_presence,
     sender_weights,
     wire_header,
 )
@@ -57,6 +60,7 @@ class GlobalServer:
         self.updates = 0
         self.pieces: dict[int, list[Piece]] = {}  # key -> its parameters in this shard
         self.presence_key: int | None = None
+        self.presence_numel = 0  # the whole presence key: one copy per global server
         self._present: torch.Tensor | None = None  # this round's presence counts
         self.codec = codec  # compression of the global tier's data rounds (geompi.ps.wan)
         self._recv_bufs = BufferPool()  # (local server, key position) -> its data
@@ -84,6 +88,7 @@ class GlobalServer:
             self.pieces[int(key)] = shard_pieces(params, lo, hi, first)
             first += len(params)
         self.presence_key = presence_key
+        self.presence_numel = first * self.topo.num_global_servers
 
     def run(self) -> None:
         while self.serve_round():
@@ -114,6 +119,8 @@ class GlobalServer:
         if rnd.op is Op.SAVE:
             self.send_snapshot()
             return rnd
+        if rnd.flags & FLAG_PRESENCE and self.presence_key is not None:  # not on the wire
+            rnd.keys.append((self.presence_key, self.presence_numel))
         self._keep: list[torch.Tensor] = []  # payloads alive until their sends complete
         self._present = None
         pos = presence_position(rnd)  # never compressed; read first, it says what to step
@@ -131,7 +138,10 @@ class GlobalServer:
         trailers = torch.zeros(d, dtype=torch.float64)
         for ls in range(d):
             for i, buf in enumerate(incoming[ls]):
-                if sizes[i]:
+                if i == pos:  # may come empty: every parameter of that datacenter present
+                    expect_presence(buf)
+                    self.link.irecv_short(per_key[i], buf, ls, TAG_DATA + i)
+                elif sizes[i]:
                     self.link.irecv(per_key[i], buf, ls, TAG_DATA + i)
             self.link.irecv(reqs, trailers[ls : ls + 1], ls, TAG_TRAILER)
         if rnd.flags & FLAG_WEIGHT_FINAL:  # each key goes on as soon as it arrived
@@ -149,6 +159,10 @@ class GlobalServer:
             key = rnd.keys[i][0]
             compressed = packed[i]
             per_key[i].wait()
+            if i == pos:
+                self.stats.received[WAN] += sum(
+                    received_presence(incoming[ls][i]) for ls in range(d)
+                )
             row = [incoming[ls][i] for ls in used]
             if compressed:
                 row = [self.codec.decode_push(p, sizes[i]) for p in row]
@@ -161,7 +175,7 @@ class GlobalServer:
                 self.apply(rnd, key, total, weight)
             if not sizes[i]:
                 continue
-            result = self.values[key]
+            result = self.values[key] if i != pos else self.values[key][:0]  # none back
             if compressed:
                 result = self.codec.encode_pull(key, result)
                 self._keep.append(result)

@@ -3,7 +3,8 @@ their sample counts) reach the global servers' optimizer, and every worker pulls
 
 Buckets are pushed from gradient hooks in priority order, so communication overlaps backward.
 After them goes the presence key: per parameter, 1 from each worker whose gradient for it
-exists, one copy per global server (each sees the whole vector in its slice). The servers skip
+exists, one copy per global server (each sees the whole vector in its slice); it is empty when
+every parameter has a gradient. The servers skip
 a parameter counted 0 as ``torch.optim`` skips ``grad=None``: frozen and unused parameters keep
 their values and optimizer state. The layout of every key travels once, in the INIT spec.
 """
@@ -15,7 +16,7 @@ import json
 import torch
 
 from geompi.comm.buckets import Buckets
-from geompi.ps.protocol import FLAG_PRESENCE, Op
+from geompi.ps.protocol import FLAG_PRESENCE, Op, presence_payload
 from geompi.sync.base import Strategy
 
 
@@ -84,7 +85,8 @@ class FSA(Strategy):
 
     def after_backward(self) -> None:
         self._issue(complete_only=False)  # parameters without a gradient push zeros
-        self.client.push(self.reqs, self.present.view(-1))  # ... and are counted absent
+        # ... and are counted absent; when none is, the push is empty
+        self.client.push(self.reqs, presence_payload(self.present.view(-1)))
         for b in self.buckets:
             self.client.pull(self.reqs, b.params)
         self.client.pull(self.reqs, self.present_out)
