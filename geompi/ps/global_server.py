@@ -25,6 +25,7 @@ from geompi.ps.protocol import (
     Op,
     Round,
     agree,
+    clear_beyond_wire,
     expect_presence,
     header_len,
     presence_position,
@@ -106,6 +107,7 @@ class GlobalServer:
         for i in range(d):
             self.link.irecv(reqs, headers[i], i, TAG_HEADER, count=False)
         reqs.wait()
+        clear_beyond_wire(headers)
         self.stats.received[WAN] += sum(8 * wire_header(h).numel() for h in headers)
         rnd, weight, with_spec = agree(headers, list(range(d)), "global tier")
         for ls in with_spec:

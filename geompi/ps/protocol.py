@@ -144,6 +144,13 @@ def wire_header(h: torch.Tensor) -> torch.Tensor:
     return h[: _FIXED + 2 * int(h[3])]
 
 
+def clear_beyond_wire(headers: torch.Tensor) -> None:
+    """Zero what follows each received wire header's prefix: a staged receive may leave stale
+    bytes there, and a full header's last slot (the presence key) must read as absent."""
+    for h in headers:
+        h[_FIXED + 2 * int(h[3]) :] = 0
+
+
 def sender_weights(headers: torch.Tensor) -> torch.Tensor:
     """Each sender's weight, read from a stack of encoded headers without decoding them."""
     return headers[:, _WEIGHT].clone()
