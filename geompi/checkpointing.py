@@ -223,10 +223,14 @@ class Checkpointing:
         optimizer: dict[str, dict[str, torch.Tensor]] = {}
         algorithm: dict = {}
         for state_name in sorted({n for s in snaps for st in s["state"].values() for n in st}):
-            per_key = {}
+            per_key, per_param = {}, {}
             for k in keys:
                 parts = [s["state"].get(k, {}).get(state_name) for s in snaps]
                 if all(p is None for p in parts):
+                    continue
+                present = [p for p in parts if p is not None]
+                if isinstance(present[0], dict):  # {param name: this shard's piece}
+                    per_param.update(self._join_pieces(k, present))
                     continue
                 if any(p is None for p in parts) or (
                     parts[0].dim() == 0 and any(not torch.equal(p, parts[0]) for p in parts)
@@ -237,7 +241,7 @@ class Checkpointing:
                         "checkpoint and report it"
                     )
                 per_key[k] = parts[0] if parts[0].dim() == 0 else torch.cat(parts)
-            named = self._by_name(per_key)
+            named = {**self._by_name(per_key), **per_param}
             m = _BACKUP.match(state_name)
             if m:
                 backups = algorithm.setdefault("dcasgd", {}).setdefault("backup", {})
@@ -252,6 +256,20 @@ class Checkpointing:
         if outer:
             algorithm["hfa"] = {"outer_momentum": self._by_name(outer)}
         return model, optimizer, algorithm
+
+    def _join_pieces(self, key: int, parts: list[dict]) -> dict[str, torch.Tensor]:
+        """Each parameter of ``key`` that has this state, joined from the shards in order (a
+        parameter torch never stepped has none, and stays absent)."""
+        out = {}
+        for name, (k, _, _, shape) in self.names.items():
+            pieces = [p[name] for p in parts if name in p]
+            if k != key or not pieces:
+                continue
+            if pieces[0].dim() == 0:
+                out[name] = pieces[0].clone()
+            else:
+                out[name] = torch.cat([t.reshape(-1) for t in pieces]).reshape(shape).clone()
+        return out
 
     def _by_name(self, per_key: dict[int, torch.Tensor]) -> dict[str, torch.Tensor]:
         out = {}
@@ -380,9 +398,9 @@ class Checkpointing:
             for b in self.w.buckets:
                 lo, hi = topo.shard_bounds(b.numel, g)
                 for state_name, named in per_state.items():
-                    t = self._flat(b, named)
+                    t = self._shard_state(b, named, lo, hi)
                     if t is not None:
-                        state[b.key][state_name] = t if t.dim() == 0 else t[lo:hi].clone()
+                        state[b.key][state_name] = t
                 t = self._flat(b, outer)
                 if t is not None:
                     outer_g[b.key]["outer_momentum"] = t[lo:hi].clone()
@@ -399,6 +417,21 @@ class Checkpointing:
                 }
             )
         return out
+
+    @classmethod
+    def _shard_state(cls, bucket, named: dict[str, torch.Tensor], lo: int, hi: int):
+        """A state's part in the slice [lo, hi) of a bucket: one flat tensor when every member
+        has it (a vector state), else ``{name: piece}`` for the members that have it (scalars
+        such as Adam's ``step`` differ between parameters that skipped different steps)."""
+        parts = [named.get(name) for name, _, _ in bucket.members]
+        if all(p is not None and p.dim() > 0 for p in parts):
+            return cls._flat(bucket, named)[lo:hi].clone()
+        out = {}
+        for (name, p, off), t in zip(bucket.members, parts):
+            a, b = max(lo, off), min(hi, off + p.numel())
+            if t is not None and b > a:
+                out[name] = t.clone() if t.dim() == 0 else t.reshape(-1)[a - off : b - off].clone()
+        return out or None
 
     @staticmethod
     def _flat(bucket, named: dict[str, torch.Tensor]) -> torch.Tensor | None:

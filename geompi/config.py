@@ -121,12 +121,12 @@ class RunConfig:
     def validate(self) -> RunConfig:
         """Check every setting that does not need the world or the data; returns self."""
         from geompi.data import DATASETS
-        from geompi.models import MODELS
+        from geompi.models import MODELS, TEST_MODELS
         from geompi.ps.optim import OPTIMIZERS
 
         if self.sync not in SYNCS:
             raise ConfigError(f"unknown --sync {self.sync!r}: choose one of {', '.join(SYNCS)}")
-        if self.model not in MODELS:
+        if self.model not in MODELS + TEST_MODELS:
             raise ConfigError(f"unknown --model {self.model!r}: choose one of {', '.join(MODELS)}")
         if self.dataset not in DATASETS:
             raise ConfigError(

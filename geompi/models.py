@@ -1,4 +1,5 @@
-"""The models a run can train: a linear classifier, a small MLP and the GeoMX example CNN.
+"""The models a run can train: a linear classifier, a small MLP and the GeoMX example CNN, and
+``partial``, a tiny net with parameters that get no gradient (for tests).
 
 Every model takes a batch of shape (N, C, H, W) and returns logits of shape (N, num_classes).
 Construction only draws from torch's global generator, so `torch.manual_seed` fixes the weights.
@@ -12,6 +13,7 @@ from torch import nn
 from geompi.errors import ConfigError
 
 MODELS = ("linear", "mlp", "cnn")
+TEST_MODELS = ("partial",)  # accepted by name, not offered: they exist for the test suite
 
 # The CNN's convolutions use this kernel size; both its pools halve the spatial size.
 _KERNEL = 5
@@ -74,6 +76,28 @@ class CNN(nn.Module):
         return self.classifier(self.features(x))
 
 
+class Partial(nn.Module):
+    """A tiny net whose parameters do not all get gradients: a frozen input layer, a ``side``
+    head that training skips on every third forward, and a ``spare`` parameter never used."""
+
+    def __init__(self, features: int, num_classes: int) -> None:
+        super().__init__()
+        self.frozen = nn.Linear(features, 16).requires_grad_(False)
+        self.body = nn.Linear(16, num_classes)
+        self.side = nn.Linear(16, num_classes)
+        self.spare = nn.Parameter(torch.randn(5))
+        self.forwards = 0  # training forwards so far
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Return the logits for a batch of shape (N, C, H, W)."""
+        h = torch.tanh(self.frozen(x.flatten(1)))
+        if self.training and torch.is_grad_enabled():
+            self.forwards += 1
+            if self.forwards % 3 == 0:
+                return self.body(h)
+        return self.body(h) + self.side(h)
+
+
 def _classic_size(size: int) -> int:
     """Spatial size after the unpadded conv(5), pool(2), conv(5), pool(2) stack."""
     size = (size - _KERNEL + 1) // 2
@@ -82,7 +106,7 @@ def _classic_size(size: int) -> int:
 
 def build_model(name: str, input_shape: tuple[int, int, int], num_classes: int) -> nn.Module:
     """Build model `name` (one of MODELS) for inputs of shape (C, H, W) and num_classes logits."""
-    if name not in MODELS:
+    if name not in MODELS + TEST_MODELS:
         raise ConfigError(f"unknown --model {name!r}: choose one of {', '.join(MODELS)}")
     channels, height, width = _check_shape(input_shape, num_classes)
     features = channels * height * width
@@ -97,4 +121,6 @@ def build_model(name: str, input_shape: tuple[int, int, int], num_classes: int) 
             nn.ReLU(),
             nn.Linear(64, num_classes),
         )
+    if name == "partial":
+        return Partial(features, num_classes)
     return CNN((channels, height, width), num_classes)

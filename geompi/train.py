@@ -159,7 +159,7 @@ class Worker:
             s = cls(
                 self.client, self.buckets, spec=_spec_bytes(optimizer=spec_to_dict(spec)), **common
             )
-            s.attach()
+            s.attach(self.topo.num_global_servers)
             return s
         if cfg.sync == "hfa":
             from geompi.sync.hfa import HFA

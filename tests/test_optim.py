@@ -548,3 +548,50 @@ def test_step_updates_the_tensor_it_is_given() -> None:
     opt.step(0, second, torch.tensor([1.0]))
     assert second.tolist() == [9.5]
     assert first.tolist() == [0.5]
+
+
+# --- keys with a layout: one torch parameter per piece, absent gradients skipped ----------------
+LAYOUT = [("a", 0, 5), ("b", 5, 7), ("c", 12, 4)]  # a key of 16 values: three parameters
+
+
+@pytest.mark.parametrize(
+    "spec", [SGD(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.1), AdamW(lr=0.05)], ids=repr
+)
+@pytest.mark.parametrize("lo,hi", [(0, 16), (3, 14)])  # the whole key, or a shard cutting a, c
+def test_absent_pieces_are_skipped_as_torch_skips_grad_none(spec, lo, hi) -> None:
+    from geompi.ps.optim import shard_pieces
+
+    gen = torch.Generator().manual_seed(8)
+    full = randn(gen, 16)
+    refs = {n: torch_reference(spec, full[off : off + k]) for n, off, k in LAYOUT}
+    value = full[lo:hi].clone()
+    opt = ServerOptimizer(spec)
+    pieces = shard_pieces(LAYOUT, lo, hi)
+    opt.set_layout(0, pieces)
+    for step in range(6):
+        grad = randn(gen, 16)
+        here = {"a": True, "b": step % 2 == 0, "c": step == 5}  # c: only the last step
+        opt.step(0, value, grad[lo:hi].clone(), present=[here[pc.name] for pc in pieces])
+        for n, off, k in LAYOUT:
+            p, ref = refs[n]
+            p.grad = grad[off : off + k].clone() if here[n] else None
+            ref.step()
+        want = torch.cat([refs[n][0].detach() for n, _, _ in LAYOUT])[lo:hi]
+        assert torch.equal(value, want), step
+    state = opt.state_dict()[0]
+    for name, per_param in state.items():
+        for n, t in per_param.items():
+            pc = next(pc for pc in pieces if pc.name == n)
+            ref_t = refs[n][1].state[refs[n][0]][name]
+            if ref_t.dim():  # this shard's part of the parameter
+                off = next(o for x, o, _ in LAYOUT if x == n)
+                ref_t = ref_t[pc.lo + lo - off : pc.hi + lo - off]
+            assert torch.equal(t, ref_t), (name, n)
+    # a round trip through state_dict keeps a piece's missing state missing
+    copy = value.clone()
+    again = ServerOptimizer(spec)
+    again.set_layout(0, pieces)
+    again.load_state_dict({0: copy}, {0: state})
+    assert again.state_dict()[0].keys() == state.keys()
+    for name in state:
+        assert state[name].keys() == again.state_dict()[0][name].keys()

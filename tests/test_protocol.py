@@ -147,3 +147,29 @@ def test_agree_mismatch_in_the_middle_names_that_sender() -> None:
     message = str(exc.value)
     assert "rank 21 sent round 1 AVG keys [1, 0]" in message
     assert "rank 20 sent round 1 AVG keys [0, 1]" in message
+
+
+# --- presence (FLAG_PRESENCE) -------------------------------------------------------------------
+def test_presence_key_rides_outside_the_wire_prefix() -> None:
+    from geompi.ps.protocol import FLAG_PRESENCE, wire_header
+
+    rnd = Round(Op.GRAD, 4, [(0, 100), (1, 7), (2, 12)], weight=3.0, flags=FLAG_PRESENCE)
+    h = rnd.encode()
+    assert Round.decode(h).keys == rnd.keys  # a full (LAN) header keeps it
+    wire = torch.zeros(header_len(), dtype=torch.float64)
+    wire[: wire_header(h).numel()] = wire_header(h)
+    assert wire_header(h).numel() == 7 + 2 * 2  # no more than the two bucket keys
+    assert Round.decode(wire).keys == [(0, 100), (1, 7)]  # the global servers add it back
+
+
+def test_presence_payload_is_empty_when_all_present() -> None:
+    from geompi.ps.protocol import expect_presence, presence_payload, received_presence
+
+    assert presence_payload(torch.tensor([1.0, 2.0])).numel() == 0
+    some = torch.tensor([1.0, 0.0])
+    assert presence_payload(some) is some
+    buf = torch.zeros(2)
+    expect_presence(buf)  # an empty message leaves the sentinel: every parameter present
+    assert received_presence(buf) == 0 and buf.tolist() == [1.0, 1.0]
+    buf.copy_(some)  # a full one arrived
+    assert received_presence(buf) == 8 and buf.tolist() == [1.0, 0.0]

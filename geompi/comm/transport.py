@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from mpi4py import MPI
 
-from geompi.comm.buffers import Staging
+from geompi.comm.buffers import Staging, host_view
 from geompi.errors import CommTimeoutError
 
 LAN = "lan"
@@ -160,6 +160,11 @@ class Link:
             self.stats.received[self.kind] += t.numel() * t.element_size()
         buf, then = self.staging.for_recv(t)
         reqs.add(self.comm.Irecv(buf, source, tag), self.kind, then)
+
+    def irecv_short(self, reqs: Requests, t: torch.Tensor, source: int, tag: int) -> None:
+        """Post a receive of a message that may be shorter than CPU tensor ``t``, even empty,
+        straight into ``t`` (never staged: what was not sent stays as it was). Not counted."""
+        reqs.add(self.comm.Irecv(host_view(t), source, tag), self.kind)
 
     def igather(self, reqs: Requests, t: torch.Tensor, out: torch.Tensor | None, root: int) -> None:
         """Gather one fixed-size CPU tensor per rank into ``out`` (shape [size, ...]) at root."""

@@ -38,7 +38,7 @@ from geompi.comm.transport import WAN, Requests
 from geompi.errors import ConfigError
 from geompi.ps.global_server import GlobalServer
 from geompi.ps.local_server import SyncUplink
-from geompi.ps.protocol import MAX_KEYS, Op, Round
+from geompi.ps.protocol import FLAG_PRESENCE, MAX_KEYS, Op, Round, presence_position
 from geompi.ps.wan import TierCodec
 
 
@@ -49,12 +49,13 @@ def region_bytes(codec: TierCodec | None, m: int) -> int:
 
 def _open_windows(comm, topo: Topology, keys: list[tuple[int, int]], stats, timeout, codec):
     """Collective over global_comm: one SlotWindows per global server. A slot holds either a
-    training round's (compressed) data or, at the end, the full final values."""
+    training round's data (each key compressed or, a presence key, not) or, at the end, the
+    full final values."""
     d = topo.num_dcs
     wins = []
     for g in range(topo.num_global_servers):
         sizes = [hi - lo for lo, hi in (topo.shard_bounds(n, g) for _, n in keys)]
-        slot_len = max(sum(sizes), sum(region_bytes(codec, m) for m in sizes) // 4)
+        slot_len = sum(max(4 * m, region_bytes(codec, m)) for m in sizes) // 4
         wins.append(SlotWindows(comm, d + g, d, max(slot_len, 1), stats, timeout))
     return wins
 
@@ -96,8 +97,12 @@ class AsyncUplink:
             self.sync.end(weight)
             return
         self._respect_staleness()
-        keys, ids = self.rnd.keys, [k for k, _ in self.rnd.keys]
-        packed = [self._pack(g, keys, self.bufs) for g in range(len(self.wins))]
+        keys, bufs, flags = self.rnd.keys, self.bufs, self.rnd.flags
+        plain = presence_position(self.rnd)
+        if plain is not None and not bufs[plain].numel():  # all present: deposit no presence
+            keys, bufs, flags, plain = keys[:plain], bufs[:plain], flags & ~FLAG_PRESENCE, None
+        ids = [k for k, _ in keys]
+        packed = [self._pack(g, keys, bufs, plain) for g in range(len(self.wins))]
         if self.sync.codec is not None:  # weight 0: the global servers skip this deposit
             self.sync.codec.end_push(weight > 0)
         wan = self.sync.wan  # an emulated link releases the deposits one after the other
@@ -105,12 +110,14 @@ class AsyncUplink:
         for g, win in enumerate(self.wins):
             if due is not None:
                 self.sync.link.stats.held(WAN, wan.up.hold_until(due[g]))
-            win.deposit(self.dc, packed[g].numpy(), weight, self.rnd.flags, ids)
+            win.deposit(self.dc, packed[g].numpy(), weight, flags, ids)
 
     def receive(self, outs: list[torch.Tensor]) -> list[Requests]:
         if self.rnd.op is Op.INIT:
             return self.sync.receive(outs)
         keys, burst = self.rnd.keys, []
+        if presence_position(self.rnd) is not None:  # the workers need no presence back
+            keys = keys[:-1]
         for g, win in enumerate(self.wins):
             win.wait_until(lambda c: per_dc(c, self.dc, PENDING) == 0, "its update")
             packed = torch.empty(self._packed_len(g, keys, self.sync.codec))
@@ -182,16 +189,19 @@ class AsyncUplink:
             lo, hi = self.topo.shard_bounds(n, g)
             yield (k, g), buf[lo:hi]
 
-    def _packed_len(self, g: int, keys, codec: TierCodec | None) -> int:
+    def _packed_len(self, g: int, keys, codec: TierCodec | None, plain: int | None = None) -> int:
         sizes = [hi - lo for lo, hi in (self.topo.shard_bounds(n, g) for _, n in keys)]
-        return max(1, sum(region_bytes(codec, m) for m in sizes) // 4)
+        return max(
+            1, sum(region_bytes(_codec(codec, i, plain), m) for i, m in enumerate(sizes)) // 4
+        )
 
-    def _pack(self, g: int, keys, bufs) -> torch.Tensor:
-        """This round's slices for global server g, compressed when the tier is, as fp32."""
-        codec = self.sync.codec
-        out = torch.zeros(self._packed_len(g, keys, codec))
+    def _pack(self, g: int, keys, bufs, plain: int | None) -> torch.Tensor:
+        """This round's slices for global server g, compressed when the tier is (except key
+        ``plain``, a presence key), as fp32."""
+        out = torch.zeros(self._packed_len(g, keys, self.sync.codec, plain))
         raw, off = out.view(torch.uint8), 0
-        for rkey, piece in self._slices(g, keys, bufs):
+        for i, (rkey, piece) in enumerate(self._slices(g, keys, bufs)):
+            codec = _codec(self.sync.codec, i, plain)
             data = piece if codec is None else codec.encode_push(rkey, piece)
             data = data.contiguous().view(torch.uint8)
             raw[off : off + data.numel()] = data
@@ -210,6 +220,11 @@ class AsyncUplink:
 
 
 TAG_CUT = 23  # on global_comm, between global servers: the deposits each has applied
+
+
+def _codec(codec: TierCodec | None, i: int, plain: int | None) -> TierCodec | None:
+    """Key ``i``'s codec: none for the presence key, which travels exactly."""
+    return None if i == plain else codec
 
 
 class AsyncGlobalServer(GlobalServer):
@@ -325,22 +340,29 @@ class AsyncGlobalServer(GlobalServer):
         keys = deposit_keys(ctrl, d)
         weight, flags = per_dc(ctrl, d, WEIGHT), int(per_dc(ctrl, d, FLAGS))
         slot = torch.from_numpy(win.slot(d)).view(torch.uint8)
-        codec = self.codec
+        rnd = Round(Op.GRAD, 0, [(k, 0) for k in keys], weight, 0, flags)
+        plain = presence_position(rnd)
+        regions, off = [], 0  # (key, offset in the slot, codec), presence first
+        for i, k in enumerate(keys):
+            codec = _codec(self.codec, i, plain)
+            regions.append((k, off, codec))
+            off += region_bytes(codec, self.offsets[k][1])
+        if plain is not None:
+            regions.insert(0, regions.pop(plain))
+        self._present = None
         win.data_lock()
         version = int(win.ctrl[VERSION])
-        off = 0
-        for k in keys:
+        for k, at, codec in regions:
             n = self.offsets[k][1]
             if codec is None:
-                total = slot[off : off + 4 * n].view(torch.float32).clone()
+                total = slot[at : at + 4 * n].view(torch.float32).clone()
             else:
-                total = codec.decode_push(slot[off : off + codec.nbytes(n)].clone(), n)
-            self.apply(Round(Op.GRAD, 0, [], weight, 0, flags), k, total, weight, dc=d)
+                total = codec.decode_push(slot[at : at + codec.nbytes(n)].clone(), n)
+            self.apply(rnd, k, total, weight, dc=d)
             result = self.values[k] if codec is None else codec.encode_pull((k, d), self.values[k])
             self._pulled(k, d)  # also after a skipped (weight 0) deposit: d fetches w anyway
             result = result.contiguous().view(torch.uint8)
-            slot[off : off + result.numel()] = result
-            off += region_bytes(codec, n)
+            slot[at : at + result.numel()] = result
         win.data_unlock()
         self.stats.received[WAN] += off  # what the deposit brought in (counted here, at the owner)
         self.staleness.append((d, version - self.last_version[d], time.perf_counter() - self.t0))
@@ -357,7 +379,7 @@ class AsyncGlobalServer(GlobalServer):
     def _pulled(self, k: int, d: int) -> None:
         """Tell the optimizer what datacenter d holds of key k now: with a codec its replica
         (what ``decode_pull`` gave it), else the values themselves."""
-        if self.optimizer is None:
+        if self.optimizer is None or k == self.presence_key:
             return
         n = self.offsets[k][1]
         held = self.values[k] if self.codec is None else self.codec.reference((k, d), n)

@@ -9,8 +9,9 @@ import torch
 from geompi.comm.buffers import BufferPool
 from geompi.comm.topology import Communicators, Topology
 from geompi.comm.transport import WAN, Link, LinkStats, Requests
-from geompi.ps.optim import ServerOptimizer, outer_step, spec_from_dict
+from geompi.ps.optim import Piece, ServerOptimizer, outer_step, shard_pieces, spec_from_dict
 from geompi.ps.protocol import (
+    FLAG_PRESENCE,
     FLAG_RAW,
     FLAG_SUM,
     FLAG_WEIGHT_FINAL,
@@ -24,7 +25,11 @@ from geompi.ps.protocol import (
     Op,
     Round,
     agree,
+    clear_beyond_wire,
+    expect_presence,
     header_len,
+    presence_position,
+    received_presence,
     sender_weights,
     wire_header,
 )
@@ -54,17 +59,37 @@ class GlobalServer:
         self.outer: dict | None = None
         self.outer_state: dict[int, dict[str, torch.Tensor]] = {}
         self.updates = 0
+        self.pieces: dict[int, list[Piece]] = {}  # key -> its parameters in this shard
+        self.presence_key: int | None = None
+        self.presence_numel = 0  # the whole presence key: one copy per global server
+        self._present: torch.Tensor | None = None  # this round's presence counts
         self.codec = codec  # compression of the global tier's data rounds (geompi.ps.wan)
         self._recv_bufs = BufferPool()  # (local server, key position) -> its data
 
     def configure(self, spec: dict) -> None:
         """Apply a spec from the master worker: the optimizer and, for HFA, the outer one."""
+        if "layout" in spec:
+            self.set_layout(spec["layout"], spec.get("presence_key"))
         if spec.get("optimizer"):
             self.optimizer = ServerOptimizer(spec_from_dict(spec["optimizer"]))
+            for key, pieces in self.pieces.items():
+                self.optimizer.set_layout(key, pieces)
         if "outer" in spec:
             self.outer = spec["outer"]
         if spec.get("restore"):  # checkpointed state follows from the master worker
             self._restore = self.world.recv(source=0, tag=TAG_RESTORE)
+
+    def set_layout(self, layout: list, presence_key: int | None) -> None:
+        """``[[key, [[name, offset, numel], ...]], ...]``: the parameters of every key, in the
+        order of the presence vector (whose key is ``presence_key``)."""
+        self.pieces, first = {}, 0
+        for key, params in layout:
+            numel = sum(int(n) for _, _, n in params)
+            lo, hi = self.topo.shard_bounds(numel, self.index)
+            self.pieces[int(key)] = shard_pieces(params, lo, hi, first)
+            first += len(params)
+        self.presence_key = presence_key
+        self.presence_numel = first * self.topo.num_global_servers
 
     def run(self) -> None:
         while self.serve_round():
@@ -82,6 +107,7 @@ class GlobalServer:
         for i in range(d):
             self.link.irecv(reqs, headers[i], i, TAG_HEADER, count=False)
         reqs.wait()
+        clear_beyond_wire(headers)
         self.stats.received[WAN] += sum(8 * wire_header(h).numel() for h in headers)
         rnd, weight, with_spec = agree(headers, list(range(d)), "global tier")
         for ls in with_spec:
@@ -95,19 +121,29 @@ class GlobalServer:
         if rnd.op is Op.SAVE:
             self.send_snapshot()
             return rnd
+        if rnd.flags & FLAG_PRESENCE and self.presence_key is not None:  # not on the wire
+            rnd.keys.append((self.presence_key, self.presence_numel))
         self._keep: list[torch.Tensor] = []  # payloads alive until their sends complete
-        compressed = self.codec is not None and rnd.op in (Op.GRAD, Op.AVG)
+        self._present = None
+        pos = presence_position(rnd)  # never compressed; read first, it says what to step
+        codec_round = self.codec is not None and rnd.op in (Op.GRAD, Op.AVG)
+        packed = [codec_round and i != pos for i in range(len(rnd.keys))]
         sizes = [self._slice_len(n) for _, n in rnd.keys]
-        alloc = self._payload if compressed else None
         incoming = [
-            [alloc(m) if alloc else self._recv_bufs.get((ls, i), m) for i, m in enumerate(sizes)]
+            [
+                self._payload(m) if packed[i] else self._recv_bufs.get((ls, i), m)
+                for i, m in enumerate(sizes)
+            ]
             for ls in range(d)
         ]
         per_key = [Requests(self.stats, self.timeout, "the local servers") for _ in sizes]
         trailers = torch.zeros(d, dtype=torch.float64)
         for ls in range(d):
             for i, buf in enumerate(incoming[ls]):
-                if sizes[i]:
+                if i == pos:  # may come empty: every parameter of that datacenter present
+                    expect_presence(buf)
+                    self.link.irecv_short(per_key[i], buf, ls, TAG_DATA + i)
+                elif sizes[i]:
                     self.link.irecv(per_key[i], buf, ls, TAG_DATA + i)
             self.link.irecv(reqs, trailers[ls : ls + 1], ls, TAG_TRAILER)
         if rnd.flags & FLAG_WEIGHT_FINAL:  # each key goes on as soon as it arrived
@@ -118,8 +154,17 @@ class GlobalServer:
         # A gradient from a datacenter that skipped a non-finite round (weight 0) is left out.
         used = [ls for ls in range(d) if rnd.op is not Op.GRAD or weights[ls] > 0]
         weight = float(weights[used].sum()) if used else 0.0
-        for i, (key, _) in enumerate(rnd.keys):
+        order = list(range(len(rnd.keys)))
+        if pos is not None:
+            order.insert(0, order.pop(pos))
+        for i in order:
+            key = rnd.keys[i][0]
+            compressed = packed[i]
             per_key[i].wait()
+            if i == pos:
+                self.stats.received[WAN] += sum(
+                    received_presence(incoming[ls][i]) for ls in range(d)
+                )
             row = [incoming[ls][i] for ls in used]
             if compressed:
                 row = [self.codec.decode_push(p, sizes[i]) for p in row]
@@ -132,7 +177,7 @@ class GlobalServer:
                 self.apply(rnd, key, total, weight)
             if not sizes[i]:
                 continue
-            result = self.values[key]
+            result = self.values[key] if i != pos else self.values[key][:0]  # none back
             if compressed:
                 result = self.codec.encode_pull(key, result)
                 self._keep.append(result)
@@ -151,6 +196,10 @@ class GlobalServer:
         self, rnd: Round, key: int, total: torch.Tensor, weight: float, dc: int | None = None
     ) -> None:
         """What a round does to this server's slice of ``key``, given the sum over senders."""
+        if key == self.presence_key:  # counts, not a value: kept as they are, sent back
+            self.values[key] = total.clone()
+            self._present = self.values[key] if rnd.op is Op.GRAD else None
+            return
         if key not in self.values:
             self.values[key] = total.clone()
             return
@@ -163,12 +212,18 @@ class GlobalServer:
             if self.optimizer is None or rnd.flags & FLAG_RAW:  # the value is the sum
                 value.copy_(total)
             elif rnd.flags & FLAG_SUM:
-                self.optimizer.step(key, value, total, dc)
+                self.optimizer.step(key, value, total, dc, self._presence(key))
             elif weight > 0:  # weight 0: every datacenter skipped a non-finite gradient
-                self.optimizer.step(key, value, total.div_(weight), dc)
+                self.optimizer.step(key, value, total.div_(weight), dc, self._presence(key))
         elif rnd.op is Op.AVG:
             self.updates += 1
             outer_step(value, total.div_(weight), self.outer, self.outer_state.setdefault(key, {}))
+
+    def _presence(self, key: int) -> list[bool] | None:
+        """Per piece of ``key``: whether any worker's gradient for it exists this round."""
+        if self._present is None or key not in self.pieces:
+            return None
+        return [bool(self._present[pc.index] > 0) for pc in self.pieces[key]]
 
     # ---- checkpoints ----------------------------------------------------------------------
     def snapshot(self) -> dict:

@@ -28,7 +28,11 @@ from geompi.ps.protocol import (
     Op,
     Round,
     agree,
+    expect_presence,
     header_len,
+    presence_payload,
+    presence_position,
+    received_presence,
     wire_header,
 )
 from geompi.ps.wan import TierCodec
@@ -68,8 +72,11 @@ class SyncUplink:
     def _requests(self) -> Requests:
         return Requests(self.link.stats, self.timeout, "the global servers")
 
-    def _compressed(self) -> bool:
-        return self.codec is not None and self.rnd.op in (Op.GRAD, Op.AVG)
+    def _compressed(self, i: int | None = None) -> bool:
+        """Whether this round's data (key ``i`` of it) travels compressed: not a presence key."""
+        if self.codec is None or self.rnd.op not in (Op.GRAD, Op.AVG):
+            return False
+        return i is None or i != presence_position(self.rnd)
 
     # ---- sends, through the emulated link when there is one -----------------------------
     def _send(self, reqs: Requests, t: torch.Tensor, dest: int, tag: int, control=False) -> None:
@@ -118,7 +125,7 @@ class SyncUplink:
             lo, hi = self.topo.shard_bounds(n, g)
             if hi > lo:
                 piece = buf[lo:hi]
-                if self._compressed():
+                if self._compressed(i):
                     piece = self.codec.encode_push((key, g), piece, ref_weight)
                     self._keep.append(piece)
                 self._send(self.sends, piece, gs, TAG_DATA + i)
@@ -146,7 +153,9 @@ class SyncUplink:
                 lo, hi = self.topo.shard_bounds(n, g)
                 if hi <= lo:
                     continue
-                if self._compressed():
+                if i == presence_position(self.rnd):  # answered empty: nothing to count
+                    self.link.irecv_short(reqs, out[lo:hi], gs, TAG_RESULT + i)
+                elif self._compressed(i):
                     payload = torch.empty(self.codec.nbytes(hi - lo), dtype=torch.uint8)
                     self.link.irecv(reqs, payload, gs, TAG_RESULT + i)
                     decode = partial(self.codec.decode_pull, (key, g), payload, out[lo:hi])
@@ -311,16 +320,23 @@ class LocalServer:
                 Round(rnd.op, rnd.round_id, [rnd.keys[i] for i in sorted(due)], weight, 0, flags),
                 spec,
             )
+        pos = presence_position(rnd)
         for i, (total, (reqs_i, per_worker)) in enumerate(zip(bufs, incoming)):
             reqs_i.wait()
-            self._lan_hold(self.lan_port and self.lan_port.down, total.numel() * len(per_worker))
+            if i == pos:
+                arrived = sum(received_presence(b) for b in per_worker)
+                self.stats.received[LAN] += arrived
+                self._lan_hold(self.lan_port and self.lan_port.down, arrived // 4)
+            else:
+                numel = total.numel() * len(per_worker)
+                self._lan_hold(self.lan_port and self.lan_port.down, numel)
             total.copy_(per_worker[0])
             for buf in per_worker[1:]:
                 total.add_(buf)
             if self._judges_finite(rnd) and not all_finite(total):
                 weight = self._nonfinite(rnd)  # raises, or 0: the global servers skip us
             if i in due:
-                self.uplink.send_key(up_index[i], total)
+                self.uplink.send_key(up_index[i], presence_payload(total) if i == pos else total)
                 if overlapped:  # the workers get the datacenter average now
                     self.bufs.get((rnd.keys[i][0], "dc"), total.numel()).copy_(total).div_(weight)
             else:  # an HFA datacenter average (a non-finite one raised above)
@@ -348,6 +364,8 @@ class LocalServer:
                 r.wait()
             self._emulate_slowdown()
         ready = {i: results[up_index[i]] for i in due}
+        if pos is not None:  # the workers need no presence back
+            outs = [b[:0] if i == pos else b for i, b in enumerate(outs)]
         self._send_results(reqs, outs, ready)
         self._round_end = time.perf_counter()
         if rnd.op is Op.INIT:  # the time split covers training, not the start-up
@@ -390,7 +408,11 @@ class LocalServer:
             reqs = Requests(self.stats, self.timeout, f"the workers of datacenter {self.dc}")
             per_worker = [self.bufs.get((key, j), n) for j in range(len(self.workers))]
             for j, buf in enumerate(per_worker):
-                self.lan.irecv(reqs, buf, 1 + j, TAG_DATA + i)
+                if i == presence_position(rnd):  # may come empty: all present
+                    expect_presence(buf)
+                    self.lan.irecv_short(reqs, buf, 1 + j, TAG_DATA + i)
+                else:
+                    self.lan.irecv(reqs, buf, 1 + j, TAG_DATA + i)
             out.append((reqs, per_worker))
         return out
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -97,34 +97,89 @@ def dumps(spec: Spec) -> str:
     return json.dumps(spec_to_dict(spec), sort_keys=True)
 
 
+@dataclass(frozen=True)
+class Piece:
+    """The part of one model parameter that lies in this server's slice of a key."""
+
+    name: str  # the parameter's name ("" for a key without a layout: one parameter)
+    index: int  # the parameter's position in the run's presence vector (-1: none)
+    lo: int  # [lo, hi) within the server's slice of the key
+    hi: int
+
+
+def shard_pieces(layout: Sequence, lo: int, hi: int, first_index: int = 0) -> list[Piece]:
+    """The pieces of ``layout`` (``(name, offset, numel)`` per parameter of a key, in order)
+    that fall in the shard ``[lo, hi)`` of the key; parameter j has presence index
+    ``first_index + j``."""
+    out = []
+    for j, (name, off, n) in enumerate(layout):
+        a, b = max(lo, off), min(hi, off + n)
+        if b > a:
+            out.append(Piece(str(name), first_index + j, a - lo, b - lo))
+    return out
+
+
 class ServerOptimizer:
-    """Applies one spec to many keys, each a flat fp32 tensor owned by this server."""
+    """Applies one spec to many keys, each a flat fp32 tensor owned by this server.
+
+    A key with a layout (``set_layout``) is stepped as one ``torch.optim`` parameter per piece,
+    so a piece whose gradient is absent is skipped exactly as torch.optim skips ``grad=None``;
+    a key without one is a single parameter.
+    """
 
     def __init__(self, spec: Spec) -> None:
         self.spec = spec
+        self.pieces: dict[int, list[Piece]] = {}
         self._torch: dict[int, torch.optim.Optimizer] = {}
-        self._params: dict[int, torch.nn.Parameter] = {}
+        self._params: dict[int, list[torch.nn.Parameter]] = {}
+        self._base: dict[int, int] = {}  # key -> data_ptr of the value the params view
         self.state: dict[int, dict[str, torch.Tensor]] = {}  # DCASGD's own state
 
+    def set_layout(self, key: int, pieces: list[Piece]) -> None:
+        """The parameters of ``key`` in this server's slice (before the key's first step)."""
+        self.pieces[key] = list(pieces)
+
+    def _pieces(self, key: int, value: torch.Tensor) -> list[Piece]:
+        return self.pieces.get(key) or [Piece("", -1, 0, value.numel())]
+
     def step(
-        self, key: int, value: torch.Tensor, grad: torch.Tensor, dc: int | None = None
+        self,
+        key: int,
+        value: torch.Tensor,
+        grad: torch.Tensor,
+        dc: int | None = None,
+        present: Sequence[bool] | None = None,
     ) -> None:
-        """Update ``value`` in place with ``grad`` (already averaged) coming from datacenter dc."""
+        """Update ``value`` in place with ``grad`` (already averaged) coming from datacenter dc.
+
+        ``present[i]`` False: piece i of the key got no gradient and is left as torch leaves it.
+        """
         if isinstance(self.spec, DCASGD):
-            self._dcasgd(key, value, grad, dc)
+            self._dcasgd(key, value, grad, dc, present)
             return
-        opt = self._torch.get(key)
-        if opt is None:
-            p = torch.nn.Parameter(value, requires_grad=True)  # shares value's memory
-            self._params[key] = p
-            opt = self._make_torch([p])
-            self._torch[key] = opt
-        p = self._params[key]
-        if p.data_ptr() != value.data_ptr():  # the key's tensor was replaced: follow it
-            p.data = value
-        p.grad = grad
-        opt.step()
-        p.grad = None
+        params = self._torch_params(key, value)
+        for i, (p, pc) in enumerate(zip(params, self._pieces(key, value))):
+            if present is None or present[i]:
+                p.grad = grad[pc.lo : pc.hi]
+        self._torch[key].step()
+        for p in params:
+            p.grad = None
+
+    def _torch_params(self, key: int, value: torch.Tensor) -> list[torch.nn.Parameter]:
+        """The key's per-piece parameters, views of ``value`` (made on first use)."""
+        params = self._params.get(key)
+        if params is None:
+            params = [
+                torch.nn.Parameter(value[pc.lo : pc.hi], requires_grad=True)
+                for pc in self._pieces(key, value)
+            ]
+            self._params[key] = params
+            self._torch[key] = self._make_torch(params)
+        elif self._base[key] != value.data_ptr():  # the key's tensor was replaced: follow it
+            for p, pc in zip(params, self._pieces(key, value)):
+                p.data = value[pc.lo : pc.hi]
+        self._base[key] = value.data_ptr()
+        return params
 
     def _make_torch(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
         return torch_optimizer(self.spec, params)
@@ -145,50 +200,112 @@ class ServerOptimizer:
         else:
             bak.copy_(held)
 
-    def _dcasgd(self, key: int, w: torch.Tensor, g: torch.Tensor, dc: int | None) -> None:
+    def _dcasgd(
+        self,
+        key: int,
+        w: torch.Tensor,
+        g: torch.Tensor,
+        dc: int | None,
+        present: Sequence[bool] | None = None,
+    ) -> None:
         s = self.spec
         st = self.state.setdefault(key, {})
+        absent = (
+            []
+            if present is None
+            else [pc for pc, here in zip(self._pieces(key, w), present) if not here]
+        )
         gg = g * g  # the raw gradient, as MXNet squares it: weight decay stays outside
         lam: float | torch.Tensor = s.lam
         if s.adaptive:
             ms = st.get("meansquare")
             if ms is None:
                 ms = st["meansquare"] = torch.zeros_like(g)
+            kept = [ms[pc.lo : pc.hi].clone() for pc in absent]
             ms.mul_(s.rho).add_(gg, alpha=1 - s.rho)
+            for pc, old in zip(absent, kept):  # no gradient: the mean square stays
+                ms[pc.lo : pc.hi] = old
             lam = s.lam / (ms.sqrt() + s.eps)
         d = g.add(w, alpha=s.weight_decay) if s.weight_decay else g
+        if absent and d is g:
+            d = g.clone()
         bak = None if dc is None else st.get(f"backup_dc{dc}")
         if bak is not None:  # synchronous (dc None): every datacenter holds w, w - w_bak = 0
             d = d + lam * gg * (w - bak)  # lam = 0: exactly SGD
+        for pc in absent:  # no gradient: the parameter is not stepped (no weight decay)
+            d[pc.lo : pc.hi] = 0.0
         w.add_(d, alpha=-s.lr)
         if dc is not None:
             self.pulled(key, dc, w)  # uncompressed, datacenter dc pulls exactly this
 
     # ---- state for checkpoints ------------------------------------------------------------
-    def state_dict(self) -> dict[int, dict[str, torch.Tensor]]:
-        """Per key: named state tensors (momentum_buffer, exp_avg, exp_avg_sq, step, backups)."""
-        out: dict[int, dict[str, torch.Tensor]] = {}
+    def state_dict(self) -> dict[int, dict]:
+        """Per key: named state (momentum_buffer, exp_avg, exp_avg_sq, step, backups).
+
+        A key without a layout, and DCASGD's state, map a state name to one tensor over the
+        key's slice; a torch optimizer over a layout maps it to ``{parameter name: piece}``,
+        with only the pieces torch holds state for (none for a piece never stepped).
+        """
+        out: dict[int, dict] = {}
         for key, opt in self._torch.items():
-            st = opt.state.get(self._params[key], {})
-            out[key] = {k: torch.as_tensor(v).clone() for k, v in st.items() if v is not None}
+            pieces = self.pieces.get(key)
+            entry: dict = {}
+            for p, pc in zip(self._params[key], pieces or [None]):
+                for k, v in opt.state.get(p, {}).items():
+                    if v is None:
+                        continue
+                    t = torch.as_tensor(v).clone()
+                    if pieces is None:
+                        entry[k] = t
+                    else:
+                        entry.setdefault(k, {})[pc.name] = t
+            out[key] = entry
         for key, st in self.state.items():
             out.setdefault(key, {}).update({k: v.clone() for k, v in st.items()})
         return out
 
     def load_state_dict(self, values: Mapping[int, torch.Tensor], state: Mapping) -> None:
-        """Restore per-key state; ``values`` are the live tensors the state belongs to."""
+        """Restore per-key state; ``values`` are the live tensors the state belongs to.
+
+        Each state name maps to a tensor over the key's slice (0-d: the same for every piece)
+        or to ``{parameter name: piece}``; a piece missing from the map gets no state.
+        """
         for key, st in state.items():
+            pieces = self._pieces(key, values[key])
             if isinstance(self.spec, DCASGD):
-                self.state[key] = {k: v.clone() for k, v in st.items()}
+                self.state[key] = {}
+                for k, v in st.items():
+                    flat = _flat_state(v, pieces)
+                    if flat is not None:
+                        self.state[key][k] = flat
                 continue
-            p = torch.nn.Parameter(values[key], requires_grad=True)
-            self._params[key] = p
-            opt = self._make_torch([p])
-            self._torch[key] = opt
-            restored = {}
-            for k, v in st.items():
-                restored[k] = v.clone() if k != "step" else torch.as_tensor(v, dtype=torch.float32)
-            opt.state[p] = restored
+            self._params.pop(key, None)
+            params = self._torch_params(key, values[key])
+            opt = self._torch[key]
+            for p, pc in zip(params, pieces):
+                restored = {}
+                for k, v in st.items():
+                    if isinstance(v, Mapping):
+                        t = v.get(pc.name)
+                    else:  # one tensor over the slice, or a 0-d one for every piece
+                        t = v[pc.lo : pc.hi] if v.dim() else v
+                    if t is None:
+                        continue
+                    restored[k] = (
+                        t.clone() if k != "step" else torch.as_tensor(t, dtype=torch.float32)
+                    )
+                if restored:
+                    opt.state[p] = restored
+
+
+def _flat_state(v, pieces: list[Piece]) -> torch.Tensor | None:
+    """A state tensor over a key's slice from either form; None if a piece has none."""
+    if not isinstance(v, Mapping):
+        return v.clone()
+    parts = [v.get(pc.name) for pc in pieces]
+    if any(t is None for t in parts):
+        return None
+    return torch.cat([t.reshape(-1) for t in parts])
 
 
 def make_spec(

@@ -38,6 +38,13 @@ FLAG_WEIGHT_FINAL = 4
 # Python API's default). Servers neither step nor judge non-finite sums: the workers, which see
 # the same sum, decide together (a GradScaler skips the step on every worker at once).
 FLAG_RAW = 8
+# GRAD: the round's last key is per-parameter presence (FSA's layout, see geompi.sync.fsa): a
+# count of the workers whose gradient for each parameter exists, one full copy per global server.
+# Servers sum it like any key but never compress it, and skip the parameters it counts 0 for.
+# A sender whose every count is > 0 sends it empty (see presence_payload): a round in which
+# every parameter has a gradient costs no extra bytes, and no result goes back.
+FLAG_PRESENCE = 16
+_NOTHING = -1.0  # what a presence buffer holds when an empty message arrived in it
 
 MAX_KEYS = 256
 _FIXED = 7  # op, round, weight, nkeys, spec_len, flags, step
@@ -65,22 +72,31 @@ class Round:
     step: int = 0  # the sender's training step, for messages
 
     def encode(self) -> torch.Tensor:
-        if len(self.keys) > MAX_KEYS:
-            raise ValueError(f"a round carries at most {MAX_KEYS} keys")
+        """The fixed-size header. With FLAG_PRESENCE the presence key (the last) sits in the
+        header's last slot, outside the prefix that crosses the WAN (``wire_header``): the
+        global servers know it from the INIT spec, so the WAN carries no more than before."""
+        keys = self.keys
         h = torch.zeros(header_len(), dtype=torch.float64)
+        if self.flags & FLAG_PRESENCE and keys:
+            keys = keys[:-1]
+            h[-2:] = torch.tensor(self.keys[-1], dtype=torch.float64)
+            if len(keys) >= MAX_KEYS:
+                raise ValueError(f"a round with presence carries at most {MAX_KEYS - 1} keys")
+        if len(keys) > MAX_KEYS:
+            raise ValueError(f"a round carries at most {MAX_KEYS} keys")
         h[:_FIXED] = torch.tensor(
             [
                 int(self.op),
                 self.round_id,
                 self.weight,
-                len(self.keys),
+                len(keys),
                 self.spec_len,
                 self.flags,
                 self.step,
             ],
             dtype=torch.float64,
         )
-        for i, (k, n) in enumerate(self.keys):
+        for i, (k, n) in enumerate(keys):
             h[_FIXED + 2 * i] = k
             h[_FIXED + 2 * i + 1] = n
         return h
@@ -89,7 +105,32 @@ class Round:
     def decode(cls, h: torch.Tensor) -> Round:
         op, rid, weight, nkeys, spec_len, flags, step = h[:_FIXED].tolist()
         keys = [(int(h[_FIXED + 2 * i]), int(h[_FIXED + 2 * i + 1])) for i in range(int(nkeys))]
+        if int(flags) & FLAG_PRESENCE and h[-1] > 0:  # a full header (a wire one lacks it)
+            keys.append((int(h[-2]), int(h[-1])))
         return cls(Op(int(op)), int(rid), keys, weight, int(spec_len), int(flags), int(step))
+
+
+def presence_position(rnd: Round) -> int | None:
+    """The position of the round's presence key (FLAG_PRESENCE), else None."""
+    return len(rnd.keys) - 1 if rnd.flags & FLAG_PRESENCE and rnd.keys else None
+
+
+def presence_payload(counts: torch.Tensor) -> torch.Tensor:
+    """What a sender pushes for a presence key: nothing when every parameter is present."""
+    return counts[:0] if bool((counts > 0).all()) else counts
+
+
+def expect_presence(buf: torch.Tensor) -> None:
+    """Before receiving a presence push (``Link.irecv_short``) into ``buf``."""
+    buf.fill_(_NOTHING)
+
+
+def received_presence(buf: torch.Tensor) -> int:
+    """After it arrived: an empty push means all present (1 each). Returns the bytes that came."""
+    if buf.numel() and float(buf[0]) == _NOTHING:
+        buf.fill_(1.0)
+        return 0
+    return buf.numel() * buf.element_size()
 
 
 def header_len() -> int:
@@ -101,6 +142,13 @@ def wire_header(h: torch.Tensor) -> torch.Tensor:
     """The used prefix of an encoded header, which is what crosses the WAN: the receiver posts
     a full-length receive into a zeroed buffer, and MPI allows a shorter message."""
     return h[: _FIXED + 2 * int(h[3])]
+
+
+def clear_beyond_wire(headers: torch.Tensor) -> None:
+    """Zero what follows each received wire header's prefix: a staged receive may leave stale
+    bytes there, and a full header's last slot (the presence key) must read as absent."""
+    for h in headers:
+        h[_FIXED + 2 * int(h[3]) :] = 0
 
 
 def sender_weights(headers: torch.Tensor) -> torch.Tensor:

@@ -27,14 +27,18 @@ class Strategy:
         self.master = master
         self.spec = spec
         self.global_syncs = 0
+        # Keys after the buckets that every round of the algorithm carries, from the INIT
+        # round on: ((key, numel), push buffer, pull buffer).
+        self.extra_keys: list[tuple[tuple[int, int], torch.Tensor, torch.Tensor]] = []
 
     def start(self, send_restore=None) -> None:
         """INIT round: the master worker's parameters and server settings reach everyone.
 
         ``send_restore(reqs)`` (master worker, when resuming) adds the checkpointed server state.
         """
+        extra = [key for key, _, _ in self.extra_keys]
         reqs = self.client.start(
-            Op.INIT, self.buckets.keys, spec=self.spec if self.master else None
+            Op.INIT, self.buckets.keys + extra, spec=self.spec if self.master else None
         )
         for b in self.buckets:
             if self.master:
@@ -42,8 +46,13 @@ class Strategy:
             else:
                 b.grads.zero_()
             self.client.push(reqs, b.grads)
+        for _, push, _ in self.extra_keys:
+            push.zero_()
+            self.client.push(reqs, push)
         for b in self.buckets:
             self.client.pull(reqs, b.params)
+        for _, _, pull in self.extra_keys:
+            self.client.pull(reqs, pull)
         if send_restore is not None:
             send_restore(reqs)
         reqs.wait()
