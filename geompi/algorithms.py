@@ -27,12 +27,20 @@ class FSA:
     """
 
     name: ClassVar[str] = "fsa"
+    # "workers" (default): the user's optimizer on every worker over the global gradient;
+    # "servers": GeoMX's placement, the optimizer and its state sharded on the global servers.
+    optimizer: str = "workers"
 
     def job(self) -> dict:
         return {"sync": self.name}
 
     def validate(self) -> None:
-        pass
+        if self.optimizer not in ("workers", "servers"):
+            raise ConfigError(f"FSA(optimizer={self.optimizer!r}): choose workers or servers")
+
+    @property
+    def on_servers(self) -> bool:
+        return self.optimizer == "servers"
 
 
 @dataclass(frozen=True)
@@ -41,6 +49,7 @@ class HFA:
     datacenter average; every K2-th datacenter average is a global one."""
 
     name: ClassVar[str] = "hfa"
+    on_servers: ClassVar[bool] = False
     k1: int = 8
     k2: int = 4
     weighting: str = "samples"  # or "uniform": every datacenter the same (GeoMX's)
@@ -98,6 +107,7 @@ class MixedSync:
     run the optimizer (SGD, Adam or AdamW as the user built it, or DCASGD) on each deposit."""
 
     name: ClassVar[str] = "mixed"
+    on_servers: ClassVar[bool] = True
     dcasgd: bool = False  # delay-compensated SGD with the user's SGD learning rate
     dcasgd_lambda: float = 0.04
     dcasgd_adaptive: bool = False
@@ -158,7 +168,7 @@ def server_spec(optimizer: torch.optim.Optimizer, who: str) -> Spec:
             f"this optimizer has {len(optimizer.param_groups)}: use one group"
         )
     g = optimizer.param_groups[0]
-    kind = type(optimizer)
+    kind = getattr(optimizer, "_geompi_base", type(optimizer))  # the user's class
     if kind is torch.optim.SGD:
         return SGD(
             lr=float(g["lr"]),

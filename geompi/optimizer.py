@@ -24,13 +24,13 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from geompi.algorithms import FSA, HFA, MixedSync, resolve, spec_json
+from geompi.algorithms import FSA, HFA, MixedSync, resolve, server_spec, spec_json
 from geompi.comm.buckets import Buckets
 from geompi.comm.buffers import all_finite
 from geompi.comm.transport import LAN, Link, LinkStats
 from geompi.errors import ConfigError, GeompiError, NonFiniteError
 from geompi.ps.client import PSClient
-from geompi.ps.protocol import FLAG_RAW, Op
+from geompi.ps.protocol import FLAG_PRESENCE, FLAG_RAW, Op, presence_payload
 from geompi.sync.hfa import uniform_weight
 
 
@@ -86,6 +86,7 @@ def DistributedOptimizer(  # noqa: N802 - a factory named like the class it retu
         wan=wan,
     )
     base = type(optimizer)
+    optimizer._geompi_base = base  # what server_spec reads after the class swap
     optimizer.__class__ = type(f"Distributed{base.__name__}", (_Distributed, base), {})
     optimizer._patch_step_function()  # torch's step hooks and profiling follow the new class
     _rewrap_scheduler_step(optimizer)
@@ -112,10 +113,16 @@ def _validate(optimizer, model, sync, s, bucket_mb, max_grad_norm, passes, wan) 
     from geompi.session import job_wan
 
     compression = job_wan(s.cfg, {"wan": wan}).compression  # parses (and checks) every setting
-    if isinstance(algo, FSA) and compression != "none":
+    if isinstance(algo, FSA) and not algo.on_servers and compression != "none":
         raise ConfigError(
             "WAN compression with FSA's worker-side optimizer is not supported yet: "
-            "use sync='hfa' or 'mixed' with compression, or drop wan_compression"
+            "use geompi.FSA(optimizer='servers'), 'hfa' or 'mixed' with compression, or drop "
+            "wan_compression"
+        )
+    if algo.on_servers and max_grad_norm is not None:
+        raise ConfigError(
+            f"max_grad_norm with the optimizer on the global servers ({algo.name}) is not "
+            "supported: clip on the workers with geompi.FSA() (the default placement)"
         )
     known = {id(p) for p in model.parameters()}
     for g in optimizer.param_groups:
@@ -133,6 +140,8 @@ def _validate(optimizer, model, sync, s, bucket_mb, max_grad_norm, passes, wan) 
             )
     if isinstance(algo, MixedSync):
         return {"optimizer": spec_json(algo.spec(optimizer))}
+    if isinstance(algo, FSA) and algo.on_servers:
+        return {"optimizer": spec_json(server_spec(optimizer, "FSA(optimizer='servers')"))}
     if isinstance(algo, HFA):
         return {"outer": algo.outer()}
     return None
@@ -250,7 +259,21 @@ class Synchronizer:
         nbuf = sum(b.numel() for b in self.float_buffers)
         # The extra key after the buckets. FSA: [samples, per-parameter "had a gradient",
         # buffers x samples]; HFA: [buffers x weight]; MixedSync: none (buffers stay local).
-        if isinstance(algo, FSA):
+        # Where the global servers step (FSA's "servers" placement, MixedSync): the presence
+        # key instead, per parameter 1 from each worker with a gradient, one copy per global
+        # server (geompi.sync.fsa); its layout travels in the INIT spec.
+        self.server_side = algo.on_servers
+        g = session.topo.num_global_servers
+        self.present_g = torch.zeros(g, len(self.params))  # in the layout's (bucket) order
+        self.layout_pos = {
+            id(p): i for i, p in enumerate(p for b in self.buckets for _, p, _ in b.members)
+        }
+        self.present_out = torch.zeros(g * len(self.params))
+        self.trainable = [sum(p.requires_grad for _, p, _ in b.members) for b in self.buckets]
+        self.sent_spec = (server_spec or {}).get("optimizer")
+        if self.server_side:
+            self.aux_len = 0
+        elif isinstance(algo, FSA):
             self.aux_len = 1 + len(self.params) + nbuf
         elif isinstance(algo, HFA):
             self.aux_len = nbuf
@@ -288,6 +311,8 @@ class Synchronizer:
 
     def keys(self) -> list[tuple[int, int]]:
         keys = self.buckets.keys
+        if self.server_side:
+            return keys + [(self.aux_key, self.present_out.numel())]
         return keys + [(self.aux_key, self.aux_len)] if self.aux_len else keys
 
     def _pack_buffers(self, out: torch.Tensor, scale: float) -> None:
@@ -312,7 +337,12 @@ class Synchronizer:
     def start(self) -> None:
         """Tell the servers the algorithm, then the INIT round: the master's values for all."""
         self.s.send_job({**self.algo.job(), "wan": self.wan}, self.opt)
-        self.init_round(self.server_spec)
+        spec = self.server_spec
+        if self.server_side:
+            from geompi.sync.fsa import layout_spec
+
+            spec = {**spec, "layout": layout_spec(self.buckets), "presence_key": self.aux_key}
+        self.init_round(spec)
         self.stats.reset_time()  # the report's waits and wall time cover training, not INIT
         self.t_start = time.perf_counter()
 
@@ -334,10 +364,15 @@ class Synchronizer:
             if self.master:
                 self._pack_buffers(self._buffer_slice(self.aux_send), 1.0)
             self.client.push(reqs, self.aux_send)
+        if self.server_side:
+            self.present_g.zero_()
+            self.client.push(reqs, self.present_g.view(-1))
         for b in self.buckets:
             self.client.pull(reqs, b.params)
         if self.aux_len:
             self.client.pull(reqs, self.aux_recv)
+        if self.server_side:
+            self.client.pull(reqs, self.present_out)
         reqs.wait()
         if self.aux_len:
             self._unpack_buffers(self._buffer_slice(self.aux_recv), 1.0)
@@ -397,6 +432,7 @@ class Synchronizer:
         bucket, off, numel = self.buckets.where[id(p)]
         torch.mul(p.grad.reshape(-1), self.weight, out=bucket.grads[off : off + numel])
         self.present[self.index[id(p)]] = 1.0
+        self.present_g[:, self.layout_pos[id(p)]] = 1.0
         self.ready[bucket.key] += 1
         self._issue(complete_only=True)
         self.reqs.test()
@@ -426,14 +462,30 @@ class Synchronizer:
         self.present.zero_()
         for b in self.buckets:
             b.grads.zero_()
-        raw = isinstance(self.algo, FSA)
-        self.reqs = self.client.start(Op.GRAD, self.keys(), self.weight, flags=FLAG_RAW * raw)
+        self.present_g.zero_()
+        flags = FLAG_PRESENCE if self.server_side else FLAG_RAW
+        self.reqs = self.client.start(
+            Op.GRAD, self.keys(), self.weight, flags=flags, spec=self._changed_spec()
+        )
+
+    def _changed_spec(self) -> bytes | None:
+        """FSA with the optimizer on the servers: the user's hyperparameters (an lr schedule)
+        travel with the next round whenever they changed, so the servers follow them."""
+        if not (self.master and self.server_side and isinstance(self.algo, FSA)):
+            return None
+        now = spec_json(server_spec(self.opt, "FSA(optimizer='servers')"))
+        if now == self.sent_spec:
+            return None
+        import json
+
+        self.sent_spec = now
+        return json.dumps({"optimizer": now, "update": True}, sort_keys=True).encode()
 
     def _issue(self, complete_only: bool) -> None:
         """Push buckets in key order; with complete_only, stop at the first incomplete one."""
         while self.issued < len(self.buckets):
             b = self.buckets.buckets[self.issued]
-            if complete_only and self.ready[b.key] < len(b.members):
+            if complete_only and self.ready[b.key] < self.trainable[b.key]:
                 return
             self.client.push(self.reqs, b.grads)
             self.issued += 1
@@ -452,7 +504,7 @@ class Synchronizer:
     @torch.no_grad()
     def _finish_round(self) -> None:
         self._issue(complete_only=False)  # parameters without a gradient here push zeros
-        fsa = isinstance(self.algo, FSA)
+        fsa = isinstance(self.algo, FSA) and not self.server_side  # the workers step
         if fsa:
             self.aux_send[0] = self.weight
             self.aux_send[1 : 1 + len(self.params)].copy_(self.present)
@@ -461,9 +513,11 @@ class Synchronizer:
             for out in self.results:
                 self.client.pull(self.reqs, out)
             self.client.pull(self.reqs, self.aux_recv)
-        else:  # MixedSync: the servers stepped; the new parameters land in the model
+        else:  # the servers stepped: the new parameters land in the model
+            self.client.push(self.reqs, presence_payload(self.present_g.view(-1)))
             for b in self.buckets:
                 self.client.pull(self.reqs, b.params)
+            self.client.pull(self.reqs, self.present_out)
         self.reqs.wait()
         self.reqs = None
         self.synced = True
@@ -495,6 +549,7 @@ class Synchronizer:
                 bucket, off, numel = self.buckets.where[id(p)]
                 torch.mul(p.grad.reshape(-1), self.weight, out=bucket.grads[off : off + numel])
                 self.present[self.index[id(p)]] = 1.0
+                self.present_g[:, self.layout_pos[id(p)]] = 1.0
         self._finish_round()
 
     # ---- the step -------------------------------------------------------------------------
@@ -516,7 +571,7 @@ class Synchronizer:
         if isinstance(self.algo, HFA):
             return self._hfa_step(local_step)
         self.synchronize()
-        if isinstance(self.algo, MixedSync):
+        if self.server_side:
             return None  # the global servers stepped; the parameters arrived with backward
         if not self._finite():
             return None

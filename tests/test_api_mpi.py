@@ -16,6 +16,7 @@ from tests.progs.api_common import MICRO, hfa_reference, make_model, reference
 pytestmark = pytest.mark.mpi
 
 KINDS = ["sgd", "adam", "adamw", "rmsprop", "adagrad", "clip", "accum", "nosync"]
+KINDS += ["srv_sgd", "srv_adamw"]  # GeoMX's placement: the optimizer on the global servers
 STEPS = 10
 
 
@@ -30,7 +31,8 @@ def fsa_2gs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def fsa_1gs(tmp_path_factory):
     out = tmp_path_factory.mktemp("api_fsa_1gs")
-    mpirun(9, ["-m", "mpi4py", prog("api_fsa.py"), str(out), "3,5", "1", "sgd,clip,accum"], 300)
+    kinds = "sgd,clip,accum,srv_adamw"
+    mpirun(9, ["-m", "mpi4py", prog("api_fsa.py"), str(out), "3,5", "1", kinds], 300)
     return out
 
 
@@ -56,7 +58,7 @@ def test_fsa_equals_one_process_on_the_concatenated_batches(fsa_2gs, kind):
     _check_fsa(fsa_2gs, kind)
 
 
-@pytest.mark.parametrize("kind", ["sgd", "clip", "accum"])
+@pytest.mark.parametrize("kind", ["sgd", "clip", "accum", "srv_adamw"])
 def test_fsa_with_one_global_server(fsa_1gs, kind):
     _check_fsa(fsa_1gs, kind)
 

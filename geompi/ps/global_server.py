@@ -70,7 +70,9 @@ class GlobalServer:
         """Apply a spec from the master worker: the optimizer and, for HFA, the outer one."""
         if "layout" in spec:
             self.set_layout(spec["layout"], spec.get("presence_key"))
-        if spec.get("optimizer"):
+        if spec.get("optimizer") and spec.get("update") and self.optimizer is not None:
+            self.optimizer.update(spec_from_dict(spec["optimizer"]))  # the worker's schedule
+        elif spec.get("optimizer"):
             self.optimizer = ServerOptimizer(spec_from_dict(spec["optimizer"]))
             for key, pieces in self.pieces.items():
                 self.optimizer.set_layout(key, pieces)

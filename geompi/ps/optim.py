@@ -184,6 +184,22 @@ class ServerOptimizer:
     def _make_torch(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
         return torch_optimizer(self.spec, params)
 
+    def update(self, spec: Spec) -> None:
+        """New hyperparameters of the same optimizer (a worker's lr schedule): its state stays."""
+        if type(spec) is not type(self.spec):
+            raise ConfigError(
+                f"the optimizer changed from {self.spec.name} to {spec.name} during training: "
+                "build a new DistributedOptimizer for another optimizer"
+            )
+        self.spec = spec
+        if isinstance(spec, DCASGD):
+            return  # read at every step
+        fields = ("lr", "momentum", "weight_decay", "nesterov", "dampening", "betas", "eps")
+        values = {f: getattr(spec, f) for f in fields if hasattr(spec, f)}
+        for opt in self._torch.values():
+            for group in opt.param_groups:
+                group.update(values)
+
     def pulled(self, key: int, dc: int, held: torch.Tensor) -> None:
         """Datacenter ``dc`` now holds ``held`` for ``key``: DCASGD's backup ``w_bak[dc]``.
 

@@ -73,7 +73,16 @@ def param_groups(model: Net, kind: str) -> list[dict]:
 
 
 def make_optimizer(model: Net, kind: str) -> tuple[torch.optim.Optimizer, object | None]:
-    """The optimizer (and lr scheduler) of one test case."""
+    """The optimizer (and lr scheduler) of one test case. ``srv_*``: one param group (the
+    global servers' optimizer takes one), with a schedule the servers must follow."""
+    if kind == "srv_sgd":
+        opt = torch.optim.SGD(
+            model.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3
+        )
+        return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.3 * s))
+    if kind == "srv_adamw":
+        opt = torch.optim.AdamW(model.parameters(), lr=5e-3, weight_decay=0.05)
+        return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
     groups = param_groups(model, kind)
     if kind in ("sgd", "clip"):
         opt = torch.optim.SGD(groups, lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-4)

@@ -22,7 +22,7 @@ for kind in kinds:
     opt = geompi.DistributedOptimizer(
         opt,
         model,
-        sync="fsa",
+        sync=geompi.FSA(optimizer="servers") if kind.startswith("srv_") else "fsa",
         bucket_mb=0.002,  # several buckets
         max_grad_norm=CLIP if kind == "clip" else None,
         backward_passes_per_step=MICRO[kind] if kind == "accum" else 1,
