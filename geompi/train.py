@@ -40,6 +40,7 @@ from geompi.runtime import (
     say,
     start_job,
 )
+from geompi.threads import configure_threads
 
 
 def launcher_rank() -> int:
@@ -340,6 +341,7 @@ def train(cfg: RunConfig, comm=None) -> dict | None:
     """
     install_signal_handlers()
     comm, topo, comms, stats = start_job(lambda c: plan_topology(cfg.validate(), c), comm)
+    configure_threads(comm)  # one share of the node's CPUs per rank (geompi.threads)
     rank = comm.Get_rank()
     role = topo.role(rank)
     node = log = err = None
