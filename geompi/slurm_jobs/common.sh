@@ -36,6 +36,44 @@ geompi__mpi_flavour() {
     fi
 }
 
+# Physical cores of this node (what oversubscription is measured against).
+geompi__node_cores() {
+    local n
+    n=$(nproc --all 2>/dev/null || getconf _NPROCESSORS_ONLN 2>/dev/null || echo 0)
+    echo "${n:-0}"
+}
+
+# GEOMPI_LOCAL_MPI=1|0|auto (default auto): 1 exports the single-machine Open MPI settings below,
+# each only where the environment has not set it; 0 never does; auto does when the job has one
+# node and more tasks than that node has cores (a workstation or CI box, never a cluster run).
+#   OMPI_MCA_pml=ob1 OMPI_MCA_btl=self,sm,tcp   shared memory and TCP, no UCX/InfiniBand probing
+#   OMPI_MCA_osc=rdma                           one-sided ops without UCX (no "OSC UCX" warnings)
+#   OMPI_MCA_mpi_yield_when_idle=1              idle oversubscribed ranks give up their core
+#   PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe   mpirun may start more ranks than cores
+geompi__local_mpi() {
+    local want=${GEOMPI_LOCAL_MPI:-auto} nodes=${SLURM_JOB_NUM_NODES:-1} cores
+    cores=$(geompi__node_cores)
+    case $want in
+        1 | 0) ;;
+        auto)
+            want=0
+            if ((nodes == 1 && cores > 0 && GEOMPI_NTASKS > cores)); then
+                want=1
+            fi
+            ;;
+        *) geompi_die "GEOMPI_LOCAL_MPI must be 1, 0 or auto (got '$want')" ;;
+    esac
+    GEOMPI_LOCAL_MPI_USED=$want
+    if [[ $want != 1 ]]; then
+        return 0
+    fi
+    export OMPI_MCA_osc=${OMPI_MCA_osc:-rdma}
+    export OMPI_MCA_pml=${OMPI_MCA_pml:-ob1}
+    export OMPI_MCA_btl=${OMPI_MCA_btl:-self,sm,tcp}
+    export OMPI_MCA_mpi_yield_when_idle=${OMPI_MCA_mpi_yield_when_idle:-1}
+    export PRTE_MCA_rmaps_default_mapping_policy=${PRTE_MCA_rmaps_default_mapping_policy:-:oversubscribe}
+}
+
 geompi_setup() {
     # Optional settings file, read at every (re)start: a requeued job sees edits made to it after
     # submission (sbatch --export is fixed at submit time), e.g. a new GEOMPI_STEPS.
@@ -79,16 +117,12 @@ geompi_setup() {
     GEOMPI_CKPT_EVERY=${GEOMPI_CKPT_EVERY:-50}
     mkdir -p "$GEOMPI_CKPT_DIR" "$(dirname "$GEOMPI_METRICS")"
 
-    # Open MPI settings (see docs/slurm.md); each one can be overridden from the environment.
-    # The MCA ones pick TCP/shared-memory transports and the RMA component that works without
-    # UCX; yield_when_idle keeps oversubscribed ranks from spinning.
-    export OMPI_MCA_osc=${OMPI_MCA_osc:-rdma}
-    export OMPI_MCA_pml=${OMPI_MCA_pml:-ob1}
-    export OMPI_MCA_btl=${OMPI_MCA_btl:-self,sm,tcp}
-    export OMPI_MCA_mpi_yield_when_idle=${OMPI_MCA_mpi_yield_when_idle:-1}
+    # MPI settings: the site's (its modules, its OMPI_MCA_* and PRTE_MCA_*), untouched, unless
+    # this is one machine running more ranks than it has cores (see docs/slurm.md).
+    geompi__local_mpi
     if [[ $(id -u) -eq 0 ]]; then
+        # Open MPI refuses to start as root without these; they change nothing else.
         export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-        export PRTE_MCA_rmaps_default_mapping_policy=${PRTE_MCA_rmaps_default_mapping_policy:-:oversubscribe}
     fi
 
     # Launcher: srun with the PMI flavour of this MPI when Slurm has it, else mpirun.
@@ -150,7 +184,8 @@ geompi_setup() {
     fi
     geompi_log "job ${SLURM_JOB_ID:-?} (${GEOMPI_JOB_NAME}) restart ${SLURM_RESTART_COUNT:-0}" \
         "on ${SLURM_JOB_NODELIST:-$(hostname -s)}: $GEOMPI_NTASKS ranks via $want," \
-        "python $GEOMPI_PY${GEOMPI_MPI:+ ($GEOMPI_MPI)}"
+        "python $GEOMPI_PY${GEOMPI_MPI:+ ($GEOMPI_MPI)}," \
+        "MPI settings: $([[ $GEOMPI_LOCAL_MPI_USED == 1 ]] && echo single-machine || echo site)"
     geompi_log "common.sh: ${BASH_SOURCE[0]}"
 }
 
