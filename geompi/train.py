@@ -349,7 +349,7 @@ def train(cfg: RunConfig, comm=None) -> dict | None:
         if role is Role.WORKER:
             node = Worker(cfg, topo, comms, stats)
             if rank == 0:
-                log = MetricsLog(cfg.metrics)
+                log = MetricsLog(cfg.metrics, cfg.tensorboard)
                 log.write(
                     {
                         "event": "start",
