@@ -125,21 +125,14 @@ def node_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def check_node_gpus(dc_map: str, topo: Topology, comm) -> list[str]:
-    """At start-up with ``--dc-map nodes``: rank 0 prints one warning line when a node's workers
-    and GPUs differ. Collective over ``comm`` (every rank, only with ``dc_map == "nodes"``)."""
-    if dc_map != "nodes":
-        return []
-    import socket
-
-    mine = (socket.gethostname(), node_gpus())
-    seen = comm.allgather(mine)
+def startup_warning(seen: Sequence[tuple[str, int]], topo: Topology) -> str | None:
+    """The one warning line for ``(host, GPUs)`` of every rank in rank order, or None."""
     hosts: list[str] = []
     for h, _ in seen:
         if h not in hosts:
             hosts.append(h)
-    gpus = {h: g for h, g in seen}
-    workers = {h: 0 for h in hosts}
+    gpus = dict(seen)
+    workers = dict.fromkeys(hosts, 0)
     for rank, (h, _) in enumerate(seen):
         if topo.role(rank) is Role.WORKER:
             workers[h] += 1
@@ -148,9 +141,22 @@ def check_node_gpus(dc_map: str, topo: Topology, comm) -> list[str]:
         for i, h in enumerate(hosts)
     ]
     found = gpu_warnings(rows)
-    if found and comm.Get_rank() == 0:
+    if not found:
+        return None
+    hint = advice(max(gpus.values()), len(hosts), topo.num_global_servers)
+    return f"geompi: warning: {'; '.join(found)}; {hint} (python -m geompi.slurm layout)"
+
+
+def check_node_gpus(dc_map: str, topo: Topology, comm) -> str | None:
+    """At start-up with ``--dc-map nodes``: rank 0 prints one warning line when a node's workers
+    and GPUs differ. Collective over ``comm`` (every rank, only with ``dc_map == "nodes"``)."""
+    if dc_map != "nodes":
+        return None
+    import socket
+
+    line = startup_warning(comm.allgather((socket.gethostname(), node_gpus())), topo)
+    if line and comm.Get_rank() == 0:
         from geompi.runtime import say
 
-        hint = advice(max(gpus.values()), len(hosts), topo.num_global_servers)
-        say(f"geompi: warning: {'; '.join(found)}; {hint} (python -m geompi.slurm layout)")
-    return found
+        say(line)
+    return line
