@@ -88,7 +88,9 @@ geompi_setup() {
     fi
     GEOMPI_SUBMIT_DIR=${SLURM_SUBMIT_DIR:-$PWD}
     GEOMPI_JOB_NAME=${SLURM_JOB_NAME:-geompi}
-    GEOMPI_NTASKS=${SLURM_NTASKS:-${GEOMPI_NTASKS:-16}}
+    # Ranks to start: GEOMPI_NTASKS when set (fewer than the allocation, e.g. with an uneven
+    # SLURM_HOSTFILE layout, see docs/slurm.md), else the job's task count.
+    GEOMPI_NTASKS=${GEOMPI_NTASKS:-${SLURM_NTASKS:-16}}
 
     # Python: an explicit GEOMPI_PYTHON, else the repository's venv, else python3 on PATH.
     if [[ -n ${GEOMPI_PYTHON:-} ]]; then
