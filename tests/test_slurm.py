@@ -356,19 +356,22 @@ def _summary(metrics: Path) -> dict:
 @needs_train
 def test_srun_trains_as_fast_as_mpirun(slurm, tmp_path):
     """#13.11: under srun every rank sees every CPU of the node, and torch used one thread per
-    CPU in every rank, so the ranks thrashed (52x slower than under mpirun here). geompi now
+    CPU in every rank, so the ranks thrashed (52-75x slower than under mpirun here). geompi now
     gives each rank its share of the node's CPUs. The same 8-rank HFA job runs through
-    tests/mpirun.py (the tests' usual mpirun, OMP_NUM_THREADS=1) and as hfa.sbatch under srun,
-    in turns; the best mean compute time of a worker under srun must be within 10% of the best
-    under mpirun. The machine is shared, so up to three pairs run until the best times agree."""
+    tests/mpirun.py (the tests' usual mpirun, OMP_NUM_THREADS=1) and as hfa.sbatch under srun;
+    the workers' mean compute time under srun must be within 10% of mpirun's.
+
+    Other users' load on this shared machine moves a single pair by +-30%, so up to three pairs
+    run, in alternating order, and the ratio of the summed compute times counts."""
     try:
         from mpirun import mpirun
     except ImportError:  # tests/ imported as a package
         from tests.mpirun import mpirun
 
     steps, flags = "96", ["--sync", "hfa", "--k1", "4", "--k2", "2", "--model", "cnn"]
-    fast, slow, text = [], [], ""
-    for attempt in range(3):
+    fast, slow, text, ratio = [], [], "", float("inf")
+
+    def with_mpirun(attempt: int) -> float:
         ref = tmp_path / f"mpirun-{attempt}.jsonl"
         mpirun(
             8,
@@ -376,6 +379,10 @@ def test_srun_trains_as_fast_as_mpirun(slurm, tmp_path):
             + ["--metrics", str(ref)],
             timeout=JOB_TIMEOUT,
         )
+        return _summary(ref)["time_split"]["compute_s"]
+
+    def with_srun(attempt: int) -> float:
+        nonlocal text
         env = _train_env(
             tmp_path / f"srun-{attempt}",
             GEOMPI_LAUNCHER="srun",
@@ -386,13 +393,21 @@ def test_srun_trains_as_fast_as_mpirun(slurm, tmp_path):
         job_id, out = _submit(slurm, JOBS / "hfa.sbatch", tmp_path, env)
         text = _assert_ok(slurm.wait_job(job_id, timeout=JOB_TIMEOUT), out)
         assert "8 ranks via srun" in text, text
-        fast.append(_summary(ref)["time_split"]["compute_s"])
-        slow.append(_summary(Path(env["GEOMPI_METRICS"]))["time_split"]["compute_s"])
-        print(f"compute_s: srun {slow[-1]:.2f} s, mpirun {fast[-1]:.2f} s")
-        if min(slow) / min(fast) <= 1.10:
+        return _summary(Path(env["GEOMPI_METRICS"]))["time_split"]["compute_s"]
+
+    for attempt in range(3):
+        if attempt % 2 == 0:
+            fast.append(with_mpirun(attempt))
+            slow.append(with_srun(attempt))
+        else:
+            slow.append(with_srun(attempt))
+            fast.append(with_mpirun(attempt))
+        ratio = sum(slow) / sum(fast)
+        print(
+            f"compute_s: srun {slow[-1]:.2f} s, mpirun {fast[-1]:.2f} s; ratio so far {ratio:.2f}"
+        )
+        if ratio <= 1.10:
             break
-    ratio = min(slow) / min(fast)
-    print(f"srun / mpirun best compute time: {ratio:.2f}")
     assert ratio <= 1.10, f"srun {slow} s, mpirun {fast} s: ratio {ratio:.2f}\n{text[-3000:]}"
     assert "geompi: torch threads per rank: 1 " in text, text
 
