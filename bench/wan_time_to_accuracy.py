@@ -390,9 +390,18 @@ def smooth(xs: list[float], window: int = 20) -> list[float]:
     return out
 
 
-def plot(results: dict[str, dict], target: float, path: pathlib.Path, title: str) -> None:
-    """Smoothed training loss and test accuracy against wall time, every run."""
-    import matplotlib
+def plot(results: dict[str, dict], target: float, path: pathlib.Path, title: str) -> bool:
+    """Smoothed training loss and test accuracy against wall time, every run. False (after one
+    line on stderr) when matplotlib is missing: the results JSON is written before this."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(
+            f"{NAME}: no plot: matplotlib is not installed (pip install 'geompi[bench]')",
+            file=sys.stderr,
+            flush=True,
+        )
+        return False
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -426,6 +435,7 @@ def plot(results: dict[str, dict], target: float, path: pathlib.Path, title: str
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return True
 
 
 # ---- the job -------------------------------------------------------------------------------------
@@ -563,9 +573,10 @@ def main() -> int:
     title = f"{topo.num_workers} workers in {topo.num_dcs} datacenters, WAN {link.describe()}" + (
         " (quick)" if args.quick else ""
     )
-    plot(results, args.target, path.with_suffix(".png"), title)
     print(json.dumps({k: v for k, v in acc.items() if k != "goals"}, indent=2))
-    print(f"wrote {path} and {path.with_suffix('.png').name}", flush=True)
+    print(f"wrote {path}", flush=True)
+    if plot(results, args.target, path.with_suffix(".png"), title):
+        print(f"wrote {path.with_suffix('.png')}", flush=True)
     if not acc["wan_setting_ok"]:
         print(
             f"{NAME}: INVALID SETTING: one FSA global sync costs only "

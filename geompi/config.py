@@ -8,6 +8,7 @@ so an invalid configuration fails identically everywhere and nothing hangs.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -69,6 +70,7 @@ class RunConfig:
     # output
     eval_every: int = 0
     metrics: str | None = None
+    tensorboard: str | None = None
     progress_every: float = 5.0
     # checkpoints
     checkpoint_dir: str | None = None
@@ -206,6 +208,11 @@ class RunConfig:
         for dc, factor in self.dc_slowdown.items():
             if not (math.isfinite(factor) and factor >= 1):
                 raise ConfigError(f"--dc-slowdown {dc}:{factor}: the factor must be >= 1")
+        if self.tensorboard and importlib.util.find_spec("tensorboard") is None:
+            raise ConfigError(
+                f"--tensorboard {self.tensorboard} needs the tensorboard package: "
+                "pip install tensorboard (or 'geompi[tensorboard]')"
+            )
         self.wan_settings()
         return self
 
@@ -264,86 +271,213 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(f"{message}: see python -m geompi.train --help")
 
 
+def _one_of(names: Sequence[str]) -> str:
+    return "{" + ",".join(names) + "}"
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The CLI's flags. Every help line names the choices and the default (flags default to
+    None here, so that an explicit flag can be told from a default; RunConfig holds those)."""
+    from geompi.data import DATASETS
+    from geompi.models import MODELS
+    from geompi.ps.optim import OPTIMIZERS
+
+    d = RunConfig()
     p = _Parser(
         prog="python -m geompi.train",
         description="Train a PyTorch model across datacenters over MPI "
         "(run under mpirun, e.g. mpirun -n 16 python -m geompi.train).",
+        epilog="GEOMPI_* environment variables (GEOMPI_SYNC, GEOMPI_DCS, GEOMPI_HFA_K1, ...) "
+        "set the same values; a flag wins. GEOMPI_THREADS sets torch threads per rank.",
     )
     a = p.add_argument_group("algorithm")
-    a.add_argument("--sync", choices=None, help="fsa (default), mixed or hfa")
+    a.add_argument("--sync", metavar=_one_of(SYNCS), help=f"algorithm (default {d.sync})")
     a.add_argument("--mixed-sync", action="store_true", help="GeoMX alias for --sync mixed")
     a.add_argument("--dcasgd", action="store_true", help="GeoMX alias for --optimizer dcasgd")
-    a.add_argument("--k1", type=_int("--k1"), help="HFA: local steps per datacenter average")
-    a.add_argument("--k2", type=_int("--k2"), help="HFA: datacenter averages per global one")
+    a.add_argument(
+        "--k1", type=_int("--k1"), help=f"HFA: local steps per datacenter average (default {d.k1})"
+    )
+    a.add_argument(
+        "--k2",
+        type=_int("--k2"),
+        help=f"HFA: datacenter averages per global one (default {d.k2})",
+    )
     a.add_argument(
         "--hfa-weighting",
-        help="samples (default) or uniform (GeoMX: every datacenter counts the same)",
+        metavar="{samples,uniform}",
+        help=f"HFA: uniform = GeoMX, every datacenter counts the same (default {d.hfa_weighting})",
     )
-    a.add_argument("--hfa-reset-optimizer", action="store_true", default=None)
-    a.add_argument("--outer-optimizer", help="HFA global tier: sgd (default) or nesterov")
-    a.add_argument("--outer-lr", type=_float, help="HFA outer learning rate (default 1)")
+    a.add_argument(
+        "--hfa-reset-optimizer",
+        action="store_true",
+        default=None,
+        help="HFA: reset the local optimizer's state at each global sync (default off)",
+    )
+    a.add_argument(
+        "--outer-optimizer",
+        metavar="{sgd,nesterov}",
+        help=f"HFA global tier (default {d.outer_optimizer})",
+    )
+    a.add_argument(
+        "--outer-lr", type=_float, help=f"HFA outer learning rate (default {d.outer_lr:g})"
+    )
+    a.add_argument(
+        "--dcasgd-lambda", type=_float, help=f"DCASGD lambda (default {d.dcasgd_lambda:g})"
+    )
+    a.add_argument(
+        "--dcasgd-adaptive",
+        action="store_true",
+        default=None,
+        help="DCASGD: adaptive lambda (default off)",
+    )
+    a.add_argument(
+        "--max-staleness",
+        type=_int("--max-staleness"),
+        help="MixedSync: most updates a datacenter may run ahead of the slowest "
+        "(default unbounded)",
+    )
+    a.add_argument(
+        "--dc-slowdown",
+        metavar="DC:FACTOR[,...]",
+        help="emulation: e.g. 1:3 makes DC 1 3x slower (default none)",
+    )
     a.add_argument(
         "--hfa-fragments",
         type=_int("--hfa-fragments"),
         help="streaming HFA: F fragments of the model, each global once per K2 datacenter "
-        "rounds on its own staggered round (default 1: plain HFA)",
+        f"rounds on its own staggered round (default {d.hfa_fragments}: plain HFA)",
     )
     a.add_argument(
         "--hfa-overlap",
         action="store_true",
         default=None,
         help="streaming HFA: a fragment's global exchange runs during the next K1 local steps "
-        "and merges at the next datacenter round (needs --k2 >= 2)",
+        "and merges at the next datacenter round (needs --k2 >= 2; default off)",
     )
     a.add_argument(
         "--hfa-mix",
         type=_float,
-        help="streaming HFA with overlap: mix * global + (1 - mix) * local (default 1: replace)",
+        help="streaming HFA with overlap: mix * global + (1 - mix) * local "
+        f"(default {d.hfa_mix:g}: replace)",
     )
-    a.add_argument("--dcasgd-lambda", type=_float, help="DCASGD lambda (default 0.04)")
-    a.add_argument("--dcasgd-adaptive", action="store_true", default=None)
-    a.add_argument("--max-staleness", type=_int("--max-staleness"))
-    a.add_argument("--dc-slowdown", help="emulation: DC:FACTOR, e.g. 1:3 makes DC 1 3x slower")
     w = p.add_argument_group("WAN emulation and compression (the global tier)")
-    w.add_argument("--wan-bandwidth", help="emulate each datacenter's WAN link, e.g. 100Mbit")
-    w.add_argument("--wan-latency", help="one-way WAN latency to emulate, e.g. 25ms")
-    w.add_argument("--lan-bandwidth", help="emulate each local server's LAN port, e.g. 10Gbit")
+    w.add_argument(
+        "--wan-bandwidth", help="emulate each datacenter's WAN link, e.g. 100Mbit (default off)"
+    )
+    w.add_argument("--wan-latency", help="one-way WAN latency to emulate, e.g. 25ms (default off)")
+    w.add_argument(
+        "--lan-bandwidth", help="emulate each local server's LAN port, e.g. 10Gbit (default off)"
+    )
     w.add_argument(
         "--wan-compression",
-        help="none (default), fp16, bf16, int8, int4, topk:FRACTION or topk:FRACTION+int8",
+        metavar="{none,fp16,bf16,int8,int4,topk:F,topk:F+int8}",
+        help=f"compress the global tier (default {d.wan_compression})",
     )
     t = p.add_argument_group("topology")
-    t.add_argument("--dcs", type=_int("--dcs"), help="number of datacenters")
-    t.add_argument("--dc-sizes", help="ranks per datacenter incl. its local server, e.g. 5,5,5")
-    t.add_argument("--global-servers", type=_int("--global-servers"))
-    t.add_argument("--dc-map", help="blocks (default) or nodes: one datacenter per node")
+    t.add_argument(
+        "--dcs", type=_int("--dcs"), help="number of datacenters (default: from the world size)"
+    )
+    t.add_argument(
+        "--dc-sizes",
+        metavar="N,N,...",
+        help="ranks per datacenter incl. its local server, e.g. 5,5,5 (default: even split)",
+    )
+    t.add_argument(
+        "--global-servers", type=_int("--global-servers"), help="global servers (default 1)"
+    )
+    t.add_argument(
+        "--dc-map",
+        metavar="{blocks,nodes}",
+        help=f"nodes: one datacenter per node (default {d.dc_map})",
+    )
     m = p.add_argument_group("model and data")
-    m.add_argument("--model", help="linear, mlp or cnn (default)")
-    m.add_argument("--dataset", help="digits (default), mnist, fashion-mnist, hdf5, synthetic")
-    m.add_argument("--data-dir")
-    m.add_argument("--synthetic-size", type=_int("--synthetic-size"))
-    m.add_argument("--batch-size", type=_int("--batch-size"), help="per worker (default 16)")
-    m.add_argument("--lr", type=_float)
-    m.add_argument("--optimizer", help="sgd (default), adam, adamw or dcasgd")
-    m.add_argument("--momentum", type=_float)
-    m.add_argument("--weight-decay", type=_float)
-    m.add_argument("--nesterov", action="store_true", default=None)
-    m.add_argument("--epochs", type=_float)
-    m.add_argument("--steps", type=_int("--steps"))
-    m.add_argument("--seed", type=_int("--seed"))
-    m.add_argument("--split-by-class", action="store_true", default=None)
-    m.add_argument("--bucket-mb", type=_float, help="gradient bucket size (default 1 MB)")
+    m.add_argument("--model", metavar=_one_of(MODELS), help=f"(default {d.model})")
+    m.add_argument("--dataset", metavar=_one_of(DATASETS), help=f"(default {d.dataset})")
+    m.add_argument(
+        "--data-dir",
+        help="IDX files (mnist, fashion-mnist) or an HDF5 file (hdf5), which need it "
+        "(default none)",
+    )
+    m.add_argument(
+        "--synthetic-size",
+        type=_int("--synthetic-size"),
+        help=f"samples of --dataset synthetic (default {d.synthetic_size})",
+    )
+    m.add_argument(
+        "--batch-size", type=_int("--batch-size"), help=f"per worker (default {d.batch_size})"
+    )
+    m.add_argument(
+        "--lr",
+        type=_float,
+        help="learning rate (default depends on --optimizer: sgd 0.05, dcasgd 0.1, adam and "
+        "adamw 0.001)",
+    )
+    m.add_argument("--optimizer", metavar=_one_of(OPTIMIZERS), help=f"(default {d.optimizer})")
+    m.add_argument(
+        "--momentum",
+        type=_float,
+        help="SGD momentum (default depends on --sync: 0.9, but 0.5 for --sync mixed)",
+    )
+    m.add_argument("--weight-decay", type=_float, help=f"(default {d.weight_decay:g})")
+    m.add_argument("--nesterov", action="store_true", default=None, help="(default off)")
+    m.add_argument(
+        "--epochs", type=_float, help="epochs to train (default 30 unless --steps is given)"
+    )
+    m.add_argument(
+        "--steps",
+        type=_int("--steps"),
+        help="steps to train instead of --epochs (default none; HFA rounds up to K1*K2)",
+    )
+    m.add_argument("--seed", type=_int("--seed"), help=f"(default {d.seed})")
+    m.add_argument(
+        "--split-by-class",
+        action="store_true",
+        default=None,
+        help="label-skewed (non-IID) shards (default off)",
+    )
+    m.add_argument(
+        "--bucket-mb", type=_float, help=f"gradient bucket size in MB (default {d.bucket_mb:g})"
+    )
     o = p.add_argument_group("output, checkpoints, reliability")
-    o.add_argument("--eval-every", type=_int("--eval-every"))
-    o.add_argument("--metrics", help="JSON-lines metrics file written by rank 0")
-    o.add_argument("--progress-every", type=_float, help="seconds between progress lines")
-    o.add_argument("--checkpoint-dir")
-    o.add_argument("--checkpoint-every", type=_int("--checkpoint-every"))
-    o.add_argument("--keep", type=_int("--keep"))
-    o.add_argument("--resume", help="a checkpoint file, or 'latest' in --checkpoint-dir")
-    o.add_argument("--comm-timeout", type=_float, help="seconds a server waits for a peer")
-    o.add_argument("--on-nonfinite", help="abort (default) or skip")
+    o.add_argument(
+        "--eval-every",
+        type=_int("--eval-every"),
+        help="steps between test evaluations (default 0: at the end only)",
+    )
+    o.add_argument("--metrics", help="JSON-lines metrics file written by rank 0 (default none)")
+    o.add_argument(
+        "--tensorboard",
+        metavar="DIR",
+        help="also write the metrics as TensorBoard scalars to DIR (needs the tensorboard "
+        "package; default none)",
+    )
+    o.add_argument(
+        "--progress-every",
+        type=_float,
+        help=f"seconds between progress lines (default {d.progress_every:g})",
+    )
+    o.add_argument("--checkpoint-dir", help="where checkpoints go (default none)")
+    o.add_argument(
+        "--checkpoint-every",
+        type=_int("--checkpoint-every"),
+        help="steps between checkpoints (default 0: at the end only, with --checkpoint-dir)",
+    )
+    o.add_argument("--keep", type=_int("--keep"), help=f"checkpoints to keep (default {d.keep})")
+    o.add_argument(
+        "--resume",
+        metavar="PATH|latest",
+        help="a checkpoint file, or 'latest' in --checkpoint-dir (default: start fresh)",
+    )
+    o.add_argument(
+        "--comm-timeout",
+        type=_float,
+        help="seconds a server waits for a peer (default: no watchdog)",
+    )
+    o.add_argument(
+        "--on-nonfinite",
+        metavar=_one_of(ON_NONFINITE),
+        help=f"on a NaN/Inf gradient (default {d.on_nonfinite})",
+    )
     return p
 
 

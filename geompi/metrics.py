@@ -1,27 +1,79 @@
-"""The JSON-lines metrics log that rank 0 writes."""
+"""The JSON-lines metrics log that rank 0 writes, and its optional TensorBoard twin."""
 
 from __future__ import annotations
 
 import json
 import time
-from typing import IO
+from typing import IO, Any
+
+from geompi.errors import ConfigError
 
 
 class MetricsLog:
-    """Append one JSON object per line to ``path`` (nothing when path is None)."""
+    """Append one JSON object per line to ``path`` (nothing when path is None).
 
-    def __init__(self, path: str | None) -> None:
+    With ``tensorboard=DIR`` the same records also go to TensorBoard: ``train/loss`` per step,
+    ``test/acc`` and ``test/loss`` per evaluation, and from the summary the byte counters
+    (``bytes/*``) and the time split (``time/*``), at the last step.
+    """
+
+    def __init__(self, path: str | None, tensorboard: str | None = None) -> None:
         self.records = 0
         self._f: IO[str] | None = open(path, "a") if path else None  # noqa: SIM115
         self._t0 = time.time()
+        self._tb: Any = _summary_writer(tensorboard) if tensorboard else None
 
     def write(self, record: dict) -> None:
         self.records += 1
         if self._f is not None:
             self._f.write(json.dumps({"time": round(time.time() - self._t0, 4), **record}) + "\n")
             self._f.flush()
+        if self._tb is not None:
+            _to_tensorboard(self._tb, record)
 
     def close(self) -> None:
         if self._f is not None:
             self._f.close()
             self._f = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+def _summary_writer(logdir: str) -> Any:
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise ConfigError(
+            f"--tensorboard {logdir} needs the tensorboard package: pip install tensorboard "
+            "(or 'geompi[tensorboard]')"
+        ) from None
+    return SummaryWriter(log_dir=logdir)
+
+
+def _to_tensorboard(tb: Any, record: dict) -> None:
+    """The scalars of one metrics record."""
+    if record.get("event") == "start":
+        tb.add_text("config", json.dumps(record.get("config", {}), indent=1), 0)
+        return
+    if record.get("summary"):
+        step = int(record.get("steps", 0))
+        for k, v in record.items():
+            if k.endswith("_bytes") and isinstance(v, (int, float)):
+                tb.add_scalar(f"bytes/{k}", v, step)
+        for k, v in record.get("time_split", {}).items():
+            tb.add_scalar(f"time/{k}", v, step)
+        for k in ("wall_s", "compute_s", "test_acc", "test_loss"):
+            if isinstance(record.get(k), (int, float)):
+                tb.add_scalar(f"summary/{k}", record[k], step)
+        tb.flush()
+        return
+    step = record.get("step")
+    if step is None:
+        return
+    if "loss" in record:
+        tb.add_scalar("train/loss", record["loss"], step)
+    if "test_acc" in record:
+        tb.add_scalar("test/acc", record["test_acc"], step)
+    if "test_loss" in record:
+        tb.add_scalar("test/loss", record["test_loss"], step)

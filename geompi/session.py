@@ -95,6 +95,7 @@ def init(comm=None, **settings) -> Session:
     """
     global _session
     from geompi.runtime import exit_together, install_excepthook, start_job
+    from geompi.threads import configure_threads
     from geompi.train import plan_topology, worker_device
 
     if _session is not None and not _session.finished:
@@ -116,6 +117,7 @@ def init(comm=None, **settings) -> Session:
 
     try:
         comm, topo, comms, stats = start_job(plan, comm)
+        configure_threads(comm)  # one share of the node's CPUs per rank (geompi.threads)
     except GeompiError as e:  # pragma: no cover - start_job reports and exits itself
         exit_together(e, 0)
     rank = comm.Get_rank()

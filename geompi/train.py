@@ -26,6 +26,7 @@ from geompi.comm.topology import Role, Topology, dc_sizes_from_hosts
 from geompi.comm.transport import LAN, Link, LinkStats
 from geompi.config import RunConfig, make_config
 from geompi.errors import ConfigError, GeompiError
+from geompi.layout import check_node_gpus
 from geompi.metrics import MetricsLog
 from geompi.ps.client import PSClient
 from geompi.ps.optim import make_spec, spec_to_dict, torch_optimizer
@@ -40,6 +41,7 @@ from geompi.runtime import (
     say,
     start_job,
 )
+from geompi.threads import configure_threads
 
 
 def launcher_rank() -> int:
@@ -355,6 +357,8 @@ def train(cfg: RunConfig, comm=None) -> dict | None:
     """
     install_signal_handlers()
     comm, topo, comms, stats = start_job(lambda c: plan_topology(cfg.validate(), c), comm)
+    configure_threads(comm)  # one share of the node's CPUs per rank (geompi.threads)
+    check_node_gpus(cfg.dc_map, topo, comm)  # --dc-map nodes: one warning if workers != GPUs
     rank = comm.Get_rank()
     role = topo.role(rank)
     node = log = err = None
@@ -362,7 +366,7 @@ def train(cfg: RunConfig, comm=None) -> dict | None:
         if role is Role.WORKER:
             node = Worker(cfg, topo, comms, stats)
             if rank == 0:
-                log = MetricsLog(cfg.metrics)
+                log = MetricsLog(cfg.metrics, cfg.tensorboard)
                 log.write(
                     {
                         "event": "start",

@@ -358,3 +358,29 @@ def test_unknown_flag_is_a_config_error() -> None:
         except SystemExit as e:
             raise AssertionError(f"make_config called sys.exit({e.code})") from e
     assert "--k3" in one_line(exc)
+
+
+def test_help_lists_choices_and_defaults():
+    """#17: `--help` names the choices and the default of every flag; defaults that depend on
+    the algorithm or optimizer say so."""
+    from geompi.config import build_parser
+
+    parser = build_parser()
+    text = " ".join(parser.format_help().split())
+    for action in parser._actions:
+        if action.dest in ("help", "mixed_sync", "dcasgd"):  # help, and the GeoMX aliases
+            continue
+        assert action.help and "default" in action.help, f"{action.option_strings}: {action.help}"
+    for flag, shown in {
+        "--model": "{linear,mlp,cnn} (default cnn)",
+        "--dataset": "{digits,mnist,fashion-mnist,hdf5,synthetic} (default digits)",
+        "--optimizer": "{sgd,adam,adamw,dcasgd} (default sgd)",
+        "--sync": "{fsa,mixed,hfa} algorithm (default fsa)",
+        "--on-nonfinite": "{abort,skip} on a NaN/Inf gradient (default abort)",
+        "--keep": "KEEP checkpoints to keep (default 3)",
+        "--batch-size": "BATCH_SIZE per worker (default 16)",
+    }.items():
+        assert f"{flag} {shown}" in text, (flag, text)
+    assert "default depends on --optimizer: sgd 0.05, dcasgd 0.1" in text, text
+    assert "default depends on --sync: 0.9, but 0.5 for --sync mixed" in text, text
+    assert "GeoMX alias for --sync mixed" in text

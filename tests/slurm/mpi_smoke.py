@@ -4,7 +4,8 @@ Rank 0 prints ``smoke: size=N sum=S`` after an allreduce. With ``SMOKE_WAIT_SIGN
 job's first run, every rank then waits (at most ``SMOKE_WAIT_SECONDS``) for SIGUSR1 or SIGTERM,
 and rank 0 prints which signal each rank received, then ``smoke: preempted``. On a requeued run
 (``SLURM_RESTART_COUNT`` > 0) it prints ``smoke: resumed restart=N`` instead of waiting.
-With ``SMOKE_EXIT=N`` every rank exits with code N at the end.
+With ``SMOKE_EXIT=N`` every rank exits with code N at the end. With ``SMOKE_PRINT_ENV=1`` rank 0
+prints each ``OMPI_MCA_*``/``PRTE_MCA_*`` variable it got as ``smoke: env NAME=VALUE``.
 """
 
 from __future__ import annotations
@@ -31,6 +32,12 @@ def main() -> int:
     total = comm.allreduce(rank, op=MPI.SUM)
     if rank == 0:
         print(f"smoke: size={size} sum={total} host={MPI.Get_processor_name()}", flush=True)
+
+    if rank == 0 and os.environ.get("SMOKE_PRINT_ENV") == "1":
+        for k in sorted(os.environ):
+            if k.startswith(("OMPI_MCA_", "PRTE_MCA_")):
+                print(f"smoke: env {k}={os.environ[k]}", flush=True)
+        print("smoke: env end", flush=True)
 
     restart = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
     if os.environ.get("SMOKE_WAIT_SIGNAL") == "1":

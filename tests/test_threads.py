@@ -1,0 +1,53 @@
+"""torch threads per rank (geompi.threads): the share of the node's CPUs, and overrides."""
+
+from __future__ import annotations
+
+import pytest
+
+from geompi.errors import ConfigError
+from geompi.threads import choose, override, share
+
+try:
+    from mpirun import error_lines, mpirun
+except ImportError:  # tests/ imported as a package
+    from tests.mpirun import error_lines, mpirun
+
+TWO = frozenset({0, 1})
+
+
+def test_ranks_that_share_the_cpus_split_them():
+    assert share(TWO, [TWO] * 16) == 1  # 16 ranks on a 2-core node (srun, task/none)
+    assert share(frozenset(range(64)), [frozenset(range(64))] * 8) == 8
+    assert share(frozenset(range(64)), [frozenset(range(64))] * 9) == 7
+
+
+def test_bound_ranks_keep_their_own_cpus():
+    cpus = [frozenset(range(4 * i, 4 * i + 4)) for i in range(4)]  # srun --cpu-bind, -c 4
+    assert share(cpus[1], cpus) == 4
+    assert share(frozenset({0}), [frozenset({0})] * 3) == 1
+
+
+def test_overrides_and_slurm_cpus_per_task():
+    local = [frozenset(range(16))] * 2
+    assert choose(local[0], local, {}) == (8, "16 CPU(s) shared by 2 rank(s) on this node")
+    assert choose(local[0], local, {"SLURM_CPUS_PER_TASK": "4"})[0] == 4
+    assert choose(local[0], local, {"OMP_NUM_THREADS": "3"}) == (3, "from OMP_NUM_THREADS")
+    env = {"OMP_NUM_THREADS": "3", "GEOMPI_THREADS": "5"}
+    assert choose(local[0], local, env) == (5, "from GEOMPI_THREADS")
+    assert override({"OMP_NUM_THREADS": "4,2"}) == (4, "OMP_NUM_THREADS")
+    assert override({"OMP_NUM_THREADS": ""}) is None
+    with pytest.raises(ConfigError, match="GEOMPI_THREADS='many': must be a whole number"):
+        override({"GEOMPI_THREADS": "many"})
+
+
+@pytest.mark.mpi
+def test_training_prints_and_uses_the_share():
+    args = ["-m", "geompi.train", "--steps", "2", "--model", "linear"]
+    res = mpirun(4, args, env={"OMP_NUM_THREADS": ""}, timeout=120)
+    want = "geompi: torch threads per rank: 1 ("
+    assert [ln for ln in res.stderr.splitlines() if ln.startswith(want)], res.stderr
+    res = mpirun(4, args, env={"GEOMPI_THREADS": "0"}, timeout=120, check=False)
+    assert res.returncode != 0
+    assert error_lines(res.stderr) == [
+        "geompi: error: GEOMPI_THREADS='0': must be a whole number >= 1"
+    ], res.stderr
