@@ -110,6 +110,17 @@ def test_hfa_equals_torch_post_local_sgd_with_hierarchical_averager(tmp_path):
         assert max(float((ours[k] - theirs[k]).abs().max()) for k in ours) <= 1e-5, w
 
 
+def test_hfa_outer_nesterov_equals_the_simulation(hfa_sim):
+    """DiLoCo's outer step at the global servers: uneven datacenters, 2 global servers."""
+    refs = hfa_reference([2, 4], k1=2, k2=3, steps=12, outer_nesterov_lr=0.7)
+    plain = torch.load(hfa_sim / "hfa-w0.pt")
+    for w, ref in enumerate(refs):
+        got = torch.load(hfa_sim / f"outer-w{w}.pt")
+        assert max(float((got[k] - ref[k]).abs().max()) for k in got) <= 1e-5, w
+    got = torch.load(hfa_sim / "outer-w0.pt")
+    assert max(float((got[k] - plain[k]).abs().max()) for k in got) > 1e-3  # the outer step acts
+
+
 def test_hfa_uniform_weighting_counts_every_datacenter_the_same(hfa_sim):
     """GeoMX's uniform rule on datacenters of 2 and 4 workers: not the per-worker mean."""
     refs = hfa_reference([2, 4], k1=2, k2=3, steps=12, uniform=True)

@@ -146,10 +146,13 @@ def hfa_reference(
     models: list | None = None,
     opts: list | None = None,
     batches=None,
+    outer_nesterov_lr: float | None = None,
 ) -> list[dict[str, torch.Tensor]]:
     """An independent simulation of HFA: one model and optimizer per worker, datacenter
     averages every K1 steps, every K2-th one over all workers. Weights: samples, or
-    ``uniform`` (GeoMX): 1 / the worker's datacenter size, so datacenters count the same."""
+    ``uniform`` (GeoMX): 1 / the worker's datacenter size, so datacenters count the same.
+    ``outer_nesterov_lr``: the global average goes through an outer Nesterov step (momentum
+    0.9) on ``global - average``, DiLoCo's outer optimizer."""
     workers = sum(dc_sizes)
     dcs = [list(range(sum(dc_sizes[:d]), sum(dc_sizes[: d + 1]))) for d in range(len(dc_sizes))]
     dc_of = {w: d for d, members in enumerate(dcs) for w in members}
@@ -157,6 +160,8 @@ def hfa_reference(
     opts = opts or [hfa_optimizer(m) for m in models]
     batches = batches or (lambda w, t: (*batch(w, t), use_extra(w, t)))
     loss_fn = nn.CrossEntropyLoss()
+    glob = [p.detach().clone() for p in models[0].parameters()]  # the global servers' model
+    outer_buf: list[torch.Tensor | None] = [None] * len(glob)
 
     def fresh() -> list[float]:
         return [1.0 / dc_sizes[dc_of[w]] if uniform else 0.0 for w in range(workers)]
@@ -174,12 +179,19 @@ def hfa_reference(
         if (t + 1) % k1:
             continue
         rounds += 1
-        groups = [list(range(workers))] if rounds % k2 == 0 else dcs
+        is_global = rounds % k2 == 0
+        groups = [list(range(workers))] if is_global else dcs
         with torch.no_grad():
             for group in groups:
                 total = sum(samples[w] for w in group)
-                for ps in zip(*(models[w].parameters() for w in group)):
+                for i, ps in enumerate(zip(*(models[w].parameters() for w in group))):
                     avg = sum(p * samples[w] for p, w in zip(ps, group)) / total
+                    if is_global and outer_nesterov_lr is not None:
+                        delta = glob[i] - avg
+                        buf = delta.clone() if outer_buf[i] is None else outer_buf[i] * 0.9 + delta
+                        outer_buf[i] = buf
+                        glob[i] = glob[i] - outer_nesterov_lr * (delta + 0.9 * buf)
+                        avg = glob[i]
                     for p in ps:
                         p.copy_(avg)
         samples = fresh()

@@ -25,9 +25,9 @@ def data(t):
     return (x[:3], y[:3], False) if mode == "torch" else (x, y, use_extra(w, t))
 
 
-def train(weighting: str, tag: str) -> None:
+def train(weighting: str, tag: str, **outer) -> None:
     model = make_model(seed=1 + w)
-    algo = geompi.HFA(k1=K1, k2=K2, weighting=weighting)
+    algo = geompi.HFA(k1=K1, k2=K2, weighting=weighting, **outer)
     opt = geompi.DistributedOptimizer(hfa_optimizer(model), model, sync=algo, bucket_mb=0.002)
     loss_fn = torch.nn.CrossEntropyLoss()
     for t in range(STEPS):
@@ -40,8 +40,9 @@ def train(weighting: str, tag: str) -> None:
 
 
 train("samples", "hfa")
-if mode == "sim":  # the same job also runs GeoMX's uniform weighting
+if mode == "sim":  # the same job also runs GeoMX's uniform weighting and an outer optimizer
     train("uniform", "uniform")
+    train("samples", "outer", outer_optimizer="nesterov", outer_lr=0.7)
 geompi.finish()
 
 if mode == "torch":
