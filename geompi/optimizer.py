@@ -124,14 +124,9 @@ def _validate(optimizer, model, sync, s, bucket_mb, max_grad_norm, passes, wan) 
             f"max_grad_norm with the optimizer on the global servers ({algo.name}) is not "
             "supported: clip on the workers with geompi.FSA() (the default placement)"
         )
-    known = {id(p) for p in model.parameters()}
-    for g in optimizer.param_groups:
-        for p in g["params"]:
-            if id(p) not in known:
-                raise ConfigError(
-                    "the optimizer holds a parameter that is not in the model: build it on "
-                    "model.parameters() (or a subset of them)"
-                )
+    from geompi.state import param_names
+
+    param_names(model, optimizer)  # every parameter it holds is the model's
     for name, p in model.named_parameters():
         if p.dtype != torch.float32:
             raise ConfigError(

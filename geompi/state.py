@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from geompi import ckpt
-from geompi.errors import CheckpointError, GeompiError
+from geompi.errors import CheckpointError, ConfigError, GeompiError
 
 _GROUPS = "param_groups"  # optimizer attribute: the param groups, params as names (JSON)
 _NONE = "none_states"  # optimizer attribute: [param name, state name] whose value was None
@@ -53,7 +53,7 @@ def save(
 
 
 def _write(path, model, optimizer, step, epoch, metrics, s) -> pathlib.Path:
-    names = _param_names(model, optimizer)
+    names = param_names(model, optimizer)
     state, attrs = {}, {"name": "none"}
     if optimizer is not None:
         state, attrs = _optimizer_tables(optimizer, names)
@@ -124,7 +124,7 @@ def _restore(ck: ckpt.Checkpoint, model: torch.nn.Module, optimizer) -> None:
             f"{ck.path}: holds {ck.optimizer_attrs.get('name')!r} optimizer state, but this "
             f"run's optimizer is {type(optimizer).__name__}: build the same optimizer class"
         )
-    names = _param_names(model, optimizer)
+    names = param_names(model, optimizer)
     sd = _torch_state(ck, names)
     for now, saved in zip(optimizer.param_groups, sd["param_groups"]):
         for k, v in saved.items():  # JSON made tuples (Adam's betas) lists: give them back
@@ -139,8 +139,9 @@ def _restore(ck: ckpt.Checkpoint, model: torch.nn.Module, optimizer) -> None:
         ) from None
 
 
-def _param_names(model: torch.nn.Module, optimizer) -> list[str]:
-    """The model's name of each parameter the optimizer holds, in torch's state_dict order."""
+def param_names(model: torch.nn.Module, optimizer) -> list[str]:
+    """The model's name of each parameter the optimizer holds, in torch's state_dict order;
+    a parameter outside the model is a ConfigError."""
     if optimizer is None:
         return []
     name_of = {id(p): n for n, p in model.named_parameters()}
@@ -148,9 +149,9 @@ def _param_names(model: torch.nn.Module, optimizer) -> list[str]:
     for g in optimizer.param_groups:
         for p in g["params"]:
             if id(p) not in name_of:
-                raise CheckpointError(
-                    "the optimizer holds a parameter that is not in the model: "
-                    "build it on model.parameters()"
+                raise ConfigError(
+                    "the optimizer holds a parameter that is not in the model: build it on "
+                    "model.parameters() (or a subset of them)"
                 )
             names.append(name_of[id(p)])
     return names
