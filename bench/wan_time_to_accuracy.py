@@ -363,8 +363,9 @@ def acceptance(runs: dict[str, dict], args, params: int) -> dict:
         and out["hfa_measured_over_ideal"] >= 0.7,
         "topk_cuts_30x": all(v is not None and v >= 30 for v in cut.values()),
         "topk_reaches_target": all(reached.values()),
-        "fp16_halves_data_bytes_exactly": exact
-        and fp16 * 2 == runs["fsa"]["wan_data_bytes_per_sync"],
+        # 2 bytes a value plus one fp32 scale per 1,024 values (geompi.comm.compression)
+        "fp16_halves_data_bytes_but_its_scales": exact
+        and 1.99 < runs["fsa"]["wan_data_bytes_per_sync"] / fp16 <= 2.0,
         "byte_accounting_exact": exact and none_exact,
     }
     goals = {
@@ -577,7 +578,7 @@ def main() -> int:
     print(f"wrote {path}", flush=True)
     if plot(results, args.target, path.with_suffix(".png"), title):
         print(f"wrote {path.with_suffix('.png')}", flush=True)
-    if not acc["wan_setting_ok"]:
+    if not acc["wan_setting_ok"] and not args.quick:  # --quick is a smoke run: no verdict
         print(
             f"{NAME}: INVALID SETTING: one FSA global sync costs only "
             f"{acc['fsa_sync_over_step_compute']:.1f}x a step's compute (needs >= 10)",
