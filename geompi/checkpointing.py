@@ -19,7 +19,6 @@ import json
 import os
 import pathlib
 import re
-import socket
 import tempfile
 from collections import defaultdict
 
@@ -39,15 +38,18 @@ def check_writable(directory: str) -> None:
     try:
         os.makedirs(directory, exist_ok=True)
         # Exclusive and unpredictable (host, pid, random): never writes through a planted symlink.
-        prefix = f".geompi-write-test-{socket.gethostname()}-{os.getpid()}-"
+        prefix = f".geompi-write-test-{ckpt.files._host()}-{os.getpid()}-"
         fd, probe = tempfile.mkstemp(prefix=prefix, dir=directory)
         os.close(fd)
         os.unlink(probe)
+        stale = ckpt.remove_stale_temps(directory)
     except OSError as e:
         raise CheckpointError(
             f"cannot write checkpoint to {directory}: {e.strerror or e}; "
             "pass a writable --checkpoint-dir"
         ) from None
+    if stale:
+        say(f"geompi: removed {len(stale)} temporary file(s) of killed writers from {directory}")
 
 
 def resolve_resume(resume: str | None, directory: str | None) -> pathlib.Path | None:
@@ -73,6 +75,53 @@ class Checkpointing:
         self.starts: list[dict] | None = None  # MixedSync, master: every worker's run start
         self.saved_step = -1  # the step of this run's last checkpoint
         self.saved_model: dict[str, torch.Tensor] | None = None  # master: its /model
+        self.resumed_from: pathlib.Path | None = None  # master: the file this run resumed
+        self.written: list[pathlib.Path] = []  # master: this run's files, newest first
+
+    def load_resume(self, resume: str | None, directory: str | None) -> pathlib.Path | None:
+        """Master, at start-up: load what ``--resume`` names and return its path.
+
+        ``latest`` takes the file written last; if that one cannot be read (a torn or corrupt
+        file), the one written before it, and so on, saying once which were skipped. If none
+        can be read, the newest file's error is raised.
+        """
+        if resume != "latest":
+            path = resolve_resume(resume, directory)
+            if path is not None:
+                self.load(path)
+            return path
+        skipped: list[tuple[pathlib.Path, CheckpointError]] = []
+        for path in ckpt.by_write_order(directory):
+            try:  # only an unreadable file is skipped; a mismatch with this run is not
+                ck = self.read(path)
+            except CheckpointError as e:
+                skipped.append((path, e))
+                continue
+            self.load(path, ck)
+            if skipped:
+                first, err = skipped[0]
+                say(
+                    f"geompi: --resume latest: skipped {len(skipped)} unusable checkpoint(s), "
+                    f"newest {first.name} ({err}); resuming from {path.name} instead"
+                )
+            return path
+        if skipped:
+            raise skipped[0][1]
+        return None
+
+    def lineage(self, just_written: pathlib.Path) -> list[pathlib.Path]:
+        """What this run's checkpoints descend from, newest first: its own files, the file it
+        resumed from, then the files of lower step than that one."""
+        self.written = [just_written] + [p for p in self.written if p != just_written]
+        out = list(self.written)
+        base = self.resumed_from
+        if base is not None:
+            out.append(base)
+            older = [
+                p for p in ckpt.list_checkpoints(base.parent) if p.name < base.name and p not in out
+            ]
+            out += reversed(older)
+        return out
 
     def record_starts(self) -> None:
         """Collective over all workers (MixedSync with checkpoints): where each worker starts,
@@ -149,7 +198,7 @@ class Checkpointing:
             config=json.loads(cfg.to_json()),
             metrics=metrics,
         )
-        ckpt.prune(cfg.checkpoint_dir, cfg.keep)
+        ckpt.prune(cfg.checkpoint_dir, cfg.keep, lineage=self.lineage(path))
         return path
 
     def _receive_snapshots(self) -> list[dict]:
@@ -262,11 +311,12 @@ class Checkpointing:
         return out
 
     # ---- restoring ------------------------------------------------------------------------
-    def load(self, path: pathlib.Path) -> None:
-        """Master worker, at start-up: read and check the whole file before anything starts."""
+    def load(self, path: pathlib.Path, ck: ckpt.Checkpoint | None = None) -> None:
+        """Master worker, at start-up: read and check the whole file before anything starts
+        (``ck``: the file already read by :meth:`read`)."""
         w = self.w
-        fp = ckpt.fingerprint(w.model.state_dict())
-        ck = ckpt.load(path, expect_fingerprint=fp)
+        if ck is None:
+            ck = self.read(path)
         if ck.algorithm_name != w.cfg.sync:
             raise CheckpointError(
                 f"checkpoint {path} was written by --sync {ck.algorithm_name}: resume it with "
@@ -287,6 +337,11 @@ class Checkpointing:
             for name, p in w.model.named_parameters():
                 p.copy_(ck.model[name].to(p.device))
         self.loaded = ck
+        self.resumed_from = pathlib.Path(path)
+
+    def read(self, path: pathlib.Path) -> ckpt.Checkpoint:
+        """Read and verify the file (every checksum, this model's fingerprint)."""
+        return ckpt.load(path, expect_fingerprint=ckpt.fingerprint(self.w.model.state_dict()))
 
     def distribute(self) -> dict | None:
         """Collective over workers: each gets its data position, RNG and local state."""

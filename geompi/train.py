@@ -114,7 +114,7 @@ class Worker:
 
     def _prepare_checkpoints(self) -> None:
         """Check the checkpoint directory and read the checkpoint to resume, before training."""
-        from geompi.checkpointing import Checkpointing, check_writable, resolve_resume
+        from geompi.checkpointing import Checkpointing, check_writable
 
         cfg = self.cfg
         self.ckpt = Checkpointing(self)
@@ -123,9 +123,7 @@ class Worker:
             return
         if cfg.checkpoint_dir:
             check_writable(cfg.checkpoint_dir)
-        self.resume_path = resolve_resume(cfg.resume, cfg.checkpoint_dir)
-        if self.resume_path is not None:
-            self.ckpt.load(self.resume_path)
+        self.resume_path = self.ckpt.load_resume(cfg.resume, cfg.checkpoint_dir)
 
     def _total_steps(self) -> int:
         cfg = self.cfg

@@ -1,0 +1,46 @@
+"""Issue #13: what a long run on a real cluster meets: rotation after a resume, a bad newest
+checkpoint, a full disk, settings that differ between ranks, idle ranks under a watchdog."""
+
+from __future__ import annotations
+
+import pytest
+
+from geompi import ckpt
+from tests.mpirun import error_lines, mpirun
+
+pytestmark = pytest.mark.mpi
+BASE = ["-m", "geompi.train", "--model", "mlp", "--batch-size", "12", "--progress-every", "1e9"]
+
+
+def train(n, *args, timeout=120, check=True, env=None):
+    return mpirun(n, BASE + [str(a) for a in args], timeout=timeout, check=check, env=env)
+
+
+def test_rotation_after_resume_from_an_older_checkpoint(tmp_path):
+    d = tmp_path / "ck"
+    train(3, "--steps", 50, "--checkpoint-dir", d, "--checkpoint-every", 10, "--keep", 5)
+    older = d / ckpt.checkpoint_name(10)
+    res = train(
+        3, "--steps", 30, "--checkpoint-dir", d, "--checkpoint-every", 15, "--keep", 2,
+        "--resume", older,
+    )  # fmt: skip
+    assert f"resumed from {older} at step 10" in res.stderr
+    # the run's own newest files survive: before, ckpt-15 was deleted right after it was written
+    assert [p.name for p in ckpt.list_checkpoints(d)] == [
+        ckpt.checkpoint_name(15),
+        ckpt.checkpoint_name(30),
+    ]
+    assert ckpt.latest(d).name == ckpt.checkpoint_name(30)
+
+
+def test_resume_latest_skips_a_torn_newest_checkpoint(tmp_path):
+    d = tmp_path / "ck"
+    train(3, "--steps", 20, "--checkpoint-dir", d, "--checkpoint-every", 10)
+    newest = d / ckpt.checkpoint_name(20)
+    data = newest.read_bytes()
+    newest.write_bytes(data[: len(data) // 2])  # a torn file (the disk filled, a node died)
+    res = train(3, "--steps", 30, "--checkpoint-dir", d, "--resume", "latest", check=False)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "skipped 1 unusable checkpoint(s), newest ckpt-00000020.h5" in res.stderr
+    assert "resumed from" in res.stderr and "at step 10" in res.stderr
+    assert not error_lines(res.stderr)
