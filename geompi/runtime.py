@@ -140,13 +140,74 @@ def start_job(plan, comm=None):
     if comm is None:
         comm = world()
     rank = comm.Get_rank()
+    rows = comm.allgather(rank_settings())  # before validating: a setting may differ by rank
     try:
+        check_same_env(rows)
         topo = plan(comm)
+        check_same_device(rows, topo)
     except GeompiError as e:
         exit_together(e, rank)
     if rank == 0:
         print(topo.table(), flush=True)
     return comm, topo, build_communicators(topo, comm), LinkStats()
+
+
+# Per-rank by nature: the device is compared among the workers of a datacenter instead.
+_PER_RANK_ENV = ("GEOMPI_DEVICE",)
+
+
+def rank_settings() -> dict:
+    """What must agree across ranks: the ``GEOMPI_*``/``MXNET_KVSTORE_*`` environment and
+    the worker device this rank would choose (geompi.train.worker_device's rule)."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k.startswith(("GEOMPI_", "MXNET_KVSTORE_")) and k not in _PER_RANK_ENV
+    }
+    device = "cpu"
+    if os.environ.get("GEOMPI_DEVICE", "").lower() != "cpu":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return {"env": env, "device": device}
+
+
+def check_same_env(rows: list[dict]) -> None:
+    """Raise ConfigError naming the first variable that differs between ranks: ranks that
+    read different settings take different paths and hang in each other's collectives."""
+    from geompi.errors import ConfigError
+
+    keys = sorted({k for r in rows for k in r["env"]})
+    for k in keys:
+        vals = [r["env"].get(k) for r in rows]
+        if len(set(vals)) > 1:
+            odd = next(i for i, v in enumerate(vals) if v != vals[0])
+            raise ConfigError(
+                f"{k} differs between ranks (rank 0: {_show(vals[0])}, rank {odd}: "
+                f"{_show(vals[odd])}): set the same value on every rank (mpirun -x {k})"
+            )
+
+
+def check_same_device(rows: list[dict], topo) -> None:
+    """Raise ConfigError if one datacenter mixes GPU and CPU workers (its workers would meet
+    in a collective that only the GPU ranks call)."""
+    from geompi.errors import ConfigError
+
+    by_dc: dict[int, dict[str, int]] = {}
+    for r in topo.all_workers:
+        by_dc.setdefault(topo.dc_of(r), {}).setdefault(rows[r]["device"], r)
+    for dc, kinds in sorted(by_dc.items()):
+        if len(kinds) > 1:
+            (a, ra), (b, rb) = sorted(kinds.items())[:2]
+            raise ConfigError(
+                f"datacenter {dc} mixes {a} and {b} workers (rank {ra}: {a}, rank {rb}: {b}): "
+                "give every worker of a datacenter the same device (GEOMPI_DEVICE=cpu, or GPUs "
+                "on every node)"
+            )
+
+
+def _show(v: str | None) -> str:
+    return "unset" if v is None else repr(v)
 
 
 class StopRequest:

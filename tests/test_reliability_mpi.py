@@ -44,3 +44,20 @@ def test_resume_latest_skips_a_torn_newest_checkpoint(tmp_path):
     assert "skipped 1 unusable checkpoint(s), newest ckpt-00000020.h5" in res.stderr
     assert "resumed from" in res.stderr and "at step 10" in res.stderr
     assert not error_lines(res.stderr)
+
+
+def test_a_geompi_setting_that_differs_on_one_rank_is_refused(tmp_path):
+    """MPMD: rank 4 alone reads GEOMPI_SYNC=hfa. Before, it took HFA's path and the others
+    FSA's, and the job hung in their first collective."""
+    import sys
+
+    from tests.mpirun import mpirun_path, run
+
+    args = [sys.executable, *BASE, "--steps", "4"]
+    cmd = [mpirun_path(), "-n", "4", *args, ":", "-n", "1", "env", "GEOMPI_SYNC=hfa", *args]
+    res = run(cmd, timeout=60)
+    errs = error_lines(res.stderr)
+    assert res.returncode == 2 and len(errs) == 1, res.stderr[-3000:]
+    assert "GEOMPI_SYNC differs between ranks (rank 0: unset, rank 4: 'hfa')" in errs[0]
+
+
