@@ -22,6 +22,7 @@ import re
 import tempfile
 from collections import defaultdict
 
+import numpy as np
 import torch
 
 from geompi import ckpt
@@ -64,6 +65,154 @@ def resolve_resume(resume: str | None, directory: str | None) -> pathlib.Path | 
     return path
 
 
+def expected_state_names(cfg) -> set[str]:
+    """The per-parameter state names ``cfg``'s optimizer keeps after one step (empty for
+    plain SGD; None-valued entries, such as SGD's buffer without momentum, do not count)."""
+    from geompi.ps.optim import make_spec, torch_optimizer
+
+    if cfg.optimizer == "dcasgd":
+        return set()  # its per-datacenter backups live under /algorithm
+    spec = make_spec(
+        cfg.optimizer, cfg.effective_lr, cfg.effective_momentum, cfg.weight_decay, cfg.nesterov
+    )
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch_optimizer(spec, [p])
+    p.grad = torch.ones(1)
+    opt.step()
+    return {k for k, v in opt.state[p].items() if v is not None}
+
+
+def _is_int(v) -> bool:
+    return not isinstance(v, bool) and isinstance(v, (int, np.integer))
+
+
+def check_resumable(
+    path, ck: ckpt.Checkpoint, cfg, shapes: dict[str, torch.Size], num_workers: int
+) -> str:
+    """Refuse, before training, a checkpoint that verifies but would not resume this run.
+
+    Checks the optimizer's name and state names, every state tensor's shape against its
+    parameter, /progress, the step and the types of the attributes. Returns a note for a
+    resume onto another worker count ('' otherwise).
+    """
+
+    def bad(what: str, fix: str = "resume from a checkpoint written by this geompi") -> None:
+        raise CheckpointError(f"checkpoint {path}: {what}: {fix}")
+
+    if ck.step < 0 or ck.epoch < 0:
+        bad(f"negative step {ck.step} or epoch {ck.epoch}")
+    topo = ck.attrs.get("topology")
+    if not isinstance(topo, dict) or not all(
+        isinstance(topo.get(k), list) and topo[k] and all(_is_int(x) and x > 0 for x in topo[k])
+        for k in ("dc_sizes",)
+    ):
+        bad(f"attribute topology is {topo!r}, not a topology")
+    config = ck.attrs.get("config")
+    if not isinstance(config, dict):
+        bad(f"attribute config is {type(config).__name__}, not a JSON object")
+    strategy = ck.algorithm.get("strategy", {})
+    if not isinstance(strategy, dict) or not all(_is_int(v) for v in strategy.values()):
+        bad("/algorithm/strategy holds non-integer counters")
+    if not _is_int(ck.algorithm.get("global_updates", 0)):
+        bad("/algorithm@global_updates is not an integer")
+
+    # The optimizer: its name, then the state each parameter needs (a missing exp_avg is a
+    # KeyError at the first update, hours after the start).
+    local = ck.algorithm.get("hfa", {}).get("local", {})
+    if cfg.sync == "hfa":
+        written = config.get("optimizer") if local else None
+        states = {}
+        for worker, st in local.items():
+            if not isinstance(st, dict):
+                bad(f"/algorithm/hfa/local/{worker} is not a group")
+            states.update({f"hfa/local/{worker}/{k}": v for k, v in st.items()})
+    else:
+        written = ck.optimizer_attrs.get("name")
+        states = dict(ck.optimizer)
+    if written is not None and written != cfg.optimizer:
+        bad(
+            f"it holds {written} optimizer state but this run uses --optimizer {cfg.optimizer}",
+            f"resume with --optimizer {written}, or start a new --checkpoint-dir",
+        )
+    per_param: dict[tuple[str, str], set[str]] = defaultdict(set)  # (worker, param) -> names
+    for state_path, named in states.items():
+        if not isinstance(named, dict):
+            bad(f"optimizer state {state_path} is not a group of tensors")
+        owner, _, state_name = state_path.rpartition("/")
+        for name, t in named.items():
+            per_param[(owner, name)].add(state_name)
+            _check_tensor(bad, f"optimizer state {state_path}/{name}", name, t, shapes)
+    want = expected_state_names(cfg)
+    for (_, name), have in sorted(per_param.items()):
+        missing = want - have
+        if missing:
+            bad(
+                f"parameter {name} lacks optimizer state {', '.join(sorted(missing))} that "
+                f"--optimizer {cfg.optimizer} needs",
+                "resume with the checkpoint's --optimizer and momentum, or start a new "
+                "--checkpoint-dir",
+            )
+    for dc, named in ck.algorithm.get("dcasgd", {}).get("backup", {}).items():
+        for name, t in named.items():
+            _check_tensor(bad, f"DCASGD backup {dc}/{name}", name, t, shapes, scalar=False)
+    for name, t in ck.algorithm.get("hfa", {}).get("outer_momentum", {}).items():
+        _check_tensor(bad, f"HFA outer momentum {name}", name, t, shapes, scalar=False)
+
+    # /progress: one (epoch, position) row, step and RNG state per worker of the old run.
+    pr = ck.progress
+    pos = pr.get("data_positions")
+    if not isinstance(pos, torch.Tensor) or pos.dim() != 2 or pos.shape[1] != 2 or not len(pos):
+        bad(f"/progress/data_positions is {_shape_of(pos)}, not one (epoch, position) per worker")
+    if pos.is_floating_point() or bool((pos < 0).any()):
+        bad("/progress/data_positions holds negative or non-integer positions")
+    old_workers = len(pos)
+    steps = pr.get("steps")
+    if steps is not None and (
+        not isinstance(steps, torch.Tensor)
+        or steps.shape != (old_workers,)
+        or steps.is_floating_point()
+        or bool((steps < 0).any())
+    ):
+        bad(f"/progress/steps is {_shape_of(steps)}, not one step per worker ({old_workers})")
+    rng_len = torch.get_rng_state().numel()
+    rng = pr.get("rng", {})
+    if not isinstance(rng, dict):
+        bad("/progress/rng is not a group")
+    for k, t in rng.items():
+        if not (isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.shape == (rng_len,)):
+            bad(f"/progress/rng/{k} is {_shape_of(t)}, not a torch CPU RNG state")
+    if local and len(local) != old_workers:
+        bad(f"{len(local)} HFA local optimizer states but {old_workers} workers in /progress")
+    if old_workers == num_workers:
+        return ""
+    return (
+        f" ({old_workers} workers -> {num_workers}: every worker continues from worker 0's data "
+        "position and RNG state"
+        + (", HFA local optimizer states start fresh" if local else "")
+        + ")"
+    )
+
+
+def _shape_of(t) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"a {t.dtype} tensor of shape {tuple(t.shape)}"
+    return "missing" if t is None else type(t).__name__
+
+
+def _check_tensor(bad, what: str, name: str, t, shapes, scalar: bool = True) -> None:
+    if name not in shapes:
+        bad(f"{what} belongs to no parameter of this model")
+    if not isinstance(t, torch.Tensor):
+        bad(f"{what} is {_shape_of(t)}, not a tensor")
+    if t.dim() == 0 and scalar:
+        return
+    if t.shape != shapes[name] or not t.is_floating_point():
+        bad(
+            f"{what} is {_shape_of(t)} but the parameter is {tuple(shapes[name])}",
+            "the file is damaged or was edited; resume from an earlier checkpoint",
+        )
+
+
 class Checkpointing:
     """A worker's part in saving and restoring. Collective over all workers (and servers)."""
 
@@ -72,6 +221,7 @@ class Checkpointing:
         self.names = worker.buckets.named_slices()  # name -> (key, offset, numel, shape)
         self.loaded: ckpt.Checkpoint | None = None
         self.restore_note = ""
+        self.worker_note = ""  # master: what a resume onto another worker count does
         self.starts: list[dict] | None = None  # MixedSync, master: every worker's run start
         self.saved_step = -1  # the step of this run's last checkpoint
         self.saved_model: dict[str, torch.Tensor] | None = None  # master: its /model
@@ -333,6 +483,8 @@ class Checkpointing:
                 "residuals and replicas (held by the local servers) it does not hold, so a "
                 "resume would not continue that run: resume with --wan-compression none"
             )
+        shapes = {n: p.shape for n, p in w.model.named_parameters()}
+        self.worker_note = check_resumable(path, ck, w.cfg, shapes, w.topo.num_workers)
         with torch.no_grad():
             for name, p in w.model.named_parameters():
                 p.copy_(ck.model[name].to(p.device))
@@ -383,10 +535,9 @@ class Checkpointing:
             self.restore_note = (
                 f" (topology changed from {old.get('dc_sizes')} + {old.get('global_servers')} "
                 f"global server(s) to {new['dc_sizes']} + {new['global_servers']}: model and "
-                "optimizer state re-sharded"
-                + ("" if same else ", data positions and local optimizer state reset")
-                + ")"
+                "optimizer state re-sharded)"
             )
+        self.restore_note += self.worker_note
         steps = info["steps"]
         if same and steps is not None and len(set(steps)) > 1:
             per_dc = {}

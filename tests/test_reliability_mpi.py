@@ -46,6 +46,19 @@ def test_resume_latest_skips_a_torn_newest_checkpoint(tmp_path):
     assert not error_lines(res.stderr)
 
 
+def test_resume_with_another_optimizer_is_refused_before_training(tmp_path):
+    d = tmp_path / "ck"
+    train(3, "--steps", 4, "--checkpoint-dir", d, "--momentum", "0.9")
+    res = train(
+        3, "--steps", 8, "--checkpoint-dir", d, "--resume", "latest", "--optimizer", "adam",
+        check=False, timeout=60,
+    )  # fmt: skip
+    errs = error_lines(res.stderr)
+    assert res.returncode == 2 and len(errs) == 1, res.stderr[-3000:]
+    assert "holds sgd optimizer state" in errs[0] and "--optimizer sgd" in errs[0]
+    assert "KeyError" not in res.stderr
+
+
 def test_a_geompi_setting_that_differs_on_one_rank_is_refused(tmp_path):
     """MPMD: rank 4 alone reads GEOMPI_SYNC=hfa. Before, it took HFA's path and the others
     FSA's, and the job hung in their first collective."""
@@ -59,5 +72,3 @@ def test_a_geompi_setting_that_differs_on_one_rank_is_refused(tmp_path):
     errs = error_lines(res.stderr)
     assert res.returncode == 2 and len(errs) == 1, res.stderr[-3000:]
     assert "GEOMPI_SYNC differs between ranks (rank 0: unset, rank 4: 'hfa')" in errs[0]
-
-
