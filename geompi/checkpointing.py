@@ -27,15 +27,17 @@ import torch
 
 from geompi import ckpt
 from geompi.comm.compression import make_compressor
-from geompi.errors import CheckpointError
+from geompi.errors import CheckpointError, CheckpointWriteError
 from geompi.ps.protocol import TAG_RESTORE, TAG_SNAPSHOT, Op
 from geompi.runtime import say
 
 _BACKUP = re.compile(r"^backup_dc(\d+)$")
 
 
-def check_writable(directory: str) -> None:
-    """Fail at start-up, not after hours of training, if checkpoints cannot be written."""
+def check_writable(directory: str, need_bytes: int = 0) -> None:
+    """Fail at start-up, not after hours of training, if checkpoints cannot be written: the
+    directory must take a file, and hold ``need_bytes`` more (a probe of 0 bytes succeeds on a
+    full disk, so the free space is compared with an estimate of one checkpoint)."""
     try:
         os.makedirs(directory, exist_ok=True)
         # Exclusive and unpredictable (host, pid, random): never writes through a planted symlink.
@@ -44,6 +46,7 @@ def check_writable(directory: str) -> None:
         os.close(fd)
         os.unlink(probe)
         stale = ckpt.remove_stale_temps(directory)
+        st = os.statvfs(directory)
     except OSError as e:
         raise CheckpointError(
             f"cannot write checkpoint to {directory}: {e.strerror or e}; "
@@ -51,6 +54,33 @@ def check_writable(directory: str) -> None:
         ) from None
     if stale:
         say(f"geompi: removed {len(stale)} temporary file(s) of killed writers from {directory}")
+    free = st.f_bavail * st.f_frsize
+    if free < need_bytes:
+        raise CheckpointError(
+            f"checkpoint directory {directory} has {_mib(free)} free but one checkpoint needs "
+            f"about {_mib(need_bytes)}: free some space or pass another --checkpoint-dir"
+        )
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def checkpoint_bytes(model: torch.nn.Module, cfg, num_workers: int, num_dcs: int) -> int:
+    """An upper estimate of one checkpoint's size: the model, the optimizer state per copy
+    (HFA: one per worker; DCASGD: a backup per datacenter), RNG states, and the file's own
+    overhead (about 1 KiB per dataset, plus the attributes)."""
+    tensors = list(model.state_dict().values())
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    states = len(expected_state_names(cfg) - {"step"})
+    copies = 1 + states * (num_workers if cfg.sync == "hfa" else 1)
+    if cfg.optimizer == "dcasgd":
+        copies += num_dcs
+    if cfg.sync == "hfa":
+        copies += 1  # the outer momentum
+    datasets = len(tensors) * (1 + copies)
+    rng = torch.get_rng_state().numel() * num_workers
+    return int(1.05 * nbytes * copies) + 1024 * datasets + rng + 256 * 1024
 
 
 def resolve_resume(resume: str | None, directory: str | None) -> pathlib.Path | None:
@@ -226,6 +256,7 @@ class Checkpointing:
         self.saved_step = -1  # the step of this run's last checkpoint
         self.saved_model: dict[str, torch.Tensor] | None = None  # master: its /model
         self.resumed_from: pathlib.Path | None = None  # master: the file this run resumed
+        self.failed_step = -1  # master: the step whose checkpoint could not be written
         self.written: list[pathlib.Path] = []  # master: this run's files, newest first
 
     def load_resume(self, resume: str | None, directory: str | None) -> pathlib.Path | None:
@@ -334,6 +365,24 @@ class Checkpointing:
         }
         cfg = w.cfg
         path = pathlib.Path(cfg.checkpoint_dir) / ckpt.checkpoint_name(step)
+        try:
+            self._write(path, step, model, optimizer, algorithm, progress, metrics)
+        except CheckpointWriteError as e:
+            # A full disk must not cost the run: the state is intact in memory, the last good
+            # file is untouched (written to a temporary, renamed only when complete).
+            self.failed_step = step
+            last = self.written[0].name if self.written else "none from this run"
+            say(
+                f"geompi: warning: checkpoint of step {step} not written ({e}); training goes "
+                f"on, the last good checkpoint is {last}"
+            )
+            return None
+        self.failed_step = -1
+        ckpt.prune(cfg.checkpoint_dir, cfg.keep, lineage=self.lineage(path))
+        return path
+
+    def _write(self, path, step, model, optimizer, algorithm, progress, metrics) -> None:
+        w, cfg = self.w, self.w.cfg
         ckpt.save(
             path,
             model=model,
@@ -348,8 +397,6 @@ class Checkpointing:
             config=json.loads(cfg.to_json()),
             metrics=metrics,
         )
-        ckpt.prune(cfg.checkpoint_dir, cfg.keep, lineage=self.lineage(path))
-        return path
 
     def _receive_snapshots(self) -> list[dict]:
         w = self.w

@@ -92,12 +92,27 @@ def _rank() -> int:
         return -1
 
 
+def _is_h5py_dealloc(tb) -> bool:
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name == "_dealloc" and "h5py" in tb.tb_frame.f_code.co_filename:
+            return True
+        tb = tb.tb_next
+    return False
+
+
 def install_excepthook() -> None:
     """An uncaught exception on one rank aborts the job instead of hanging the others."""
 
     def hook(typ, value, tb):
         if issubclass(typ, (KeyboardInterrupt, SystemExit)):
             sys.__excepthook__(typ, value, tb)
+            return
+        if sys._getframe().f_back is not None:
+            # Not uncaught: C code reported an error it then ignored (PyErr_Print), as h5py's
+            # object deallocation does when a write to a full disk failed. The operation
+            # itself raises what matters; aborting here killed runs that would have gone on.
+            if not _is_h5py_dealloc(tb):
+                sys.__excepthook__(typ, value, tb)
             return
         abort(value)
 

@@ -114,7 +114,7 @@ class Worker:
 
     def _prepare_checkpoints(self) -> None:
         """Check the checkpoint directory and read the checkpoint to resume, before training."""
-        from geompi.checkpointing import Checkpointing, check_writable
+        from geompi.checkpointing import Checkpointing, check_writable, checkpoint_bytes
 
         cfg = self.cfg
         self.ckpt = Checkpointing(self)
@@ -122,7 +122,8 @@ class Worker:
         if not self.master:
             return
         if cfg.checkpoint_dir:
-            check_writable(cfg.checkpoint_dir)
+            need = checkpoint_bytes(self.model, cfg, self.topo.num_workers, self.topo.num_dcs)
+            check_writable(cfg.checkpoint_dir, need)
         self.resume_path = self.ckpt.load_resume(cfg.resume, cfg.checkpoint_dir)
 
     def _total_steps(self) -> int:
@@ -430,9 +431,12 @@ def train(cfg: RunConfig, comm=None) -> dict | None:
         )
         if result["preempted"]:
             where = f" to {cfg.checkpoint_dir}" if cfg.checkpoint_dir else " (no --checkpoint-dir)"
+            wrote = f"checkpoint written{where}"
+            if node.ckpt.failed_step == result["steps"]:
+                wrote = f"its checkpoint could NOT be written{where} (see the warning above)"
             say(
-                f"geompi: preempted by {result['signal']} at step {result['steps']}; "
-                f"checkpoint written{where}; {figures}"
+                f"geompi: preempted by {result['signal']} at step {result['steps']}; {wrote}; "
+                f"{figures}"
             )
         else:
             say(f"geompi: done: {figures}")

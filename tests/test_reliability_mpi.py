@@ -72,3 +72,72 @@ def test_a_geompi_setting_that_differs_on_one_rank_is_refused(tmp_path):
     errs = error_lines(res.stderr)
     assert res.returncode == 2 and len(errs) == 1, res.stderr[-3000:]
     assert "GEOMPI_SYNC differs between ranks (rank 0: unset, rank 4: 'hfa')" in errs[0]
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A tmpfs of the given size (needs root; skipped where mount is refused)."""
+    import subprocess
+
+    mounted = []
+
+    def make(size: str):
+        d = tmp_path / f"fs{len(mounted)}"
+        d.mkdir()
+        r = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(d)], capture_output=True
+        )
+        if r.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
+        mounted.append(d)
+        return d
+
+    yield make
+    for d in mounted:
+        subprocess.run(["umount", "-l", str(d)], capture_output=True)
+
+
+def _fill(d, leave: int) -> None:
+    import os
+
+    st = os.statvfs(d)
+    (d / "ballast").write_bytes(b"\0" * max(0, st.f_bavail * st.f_frsize - leave))
+
+
+def test_full_disk_at_start_up_is_one_line_before_training(small_fs):
+    d = small_fs("1m")
+    _fill(d, 64 * 1024)  # a 0-byte probe succeeds here, one checkpoint does not fit
+    res = train(3, "--steps", 20, "--checkpoint-dir", d / "ck", "--momentum", "0.9", check=False)
+    errs = error_lines(res.stderr)
+    assert res.returncode == 2 and len(errs) == 1, res.stderr[-3000:]
+    assert "free but one checkpoint needs about" in errs[0]
+    assert "free some space or pass another --checkpoint-dir" in errs[0]
+
+
+def test_disk_full_mid_run_keeps_training(small_fs):
+    d = small_fs("2m")
+    _fill(d, 700 * 1024)  # the start-up check passes, a few checkpoints fit, then none
+    res = train(
+        3, "--steps", 60, "--checkpoint-dir", d / "ck", "--checkpoint-every", 5, "--keep", 100,
+        "--metrics", d / "m.jsonl", "--momentum", "0.9", check=False, timeout=180,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert not error_lines(res.stderr)
+    warns = [ln for ln in res.stderr.splitlines() if "not written" in ln]
+    assert warns and "No space left on device" in warns[0], res.stderr[-3000:]
+    assert "training goes on, the last good checkpoint is ckpt-" in warns[0]
+    assert "steps=60" in res.stderr  # trained to the end
+    good = ckpt.list_checkpoints(d / "ck")
+    assert good and all(ckpt.verify(p) == [] for p in good)
+    assert not [p for p in (d / "ck").iterdir() if p.name.startswith(".")]  # no temporaries
+
+
+def test_metrics_write_failure_does_not_stop_training(small_fs):
+    d = small_fs("64k")
+    _fill(d, 8 * 1024)
+    res = train(3, "--steps", 300, "--metrics", d / "m.jsonl", check=False, timeout=180)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert not error_lines(res.stderr)
+    warns = [ln for ln in res.stderr.splitlines() if "cannot write the metrics file" in ln]
+    assert len(warns) == 1 and "No space left on device" in warns[0], res.stderr[-3000:]
+    assert "steps=300" in res.stderr
