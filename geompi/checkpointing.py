@@ -543,35 +543,46 @@ class Checkpointing:
         return ckpt.load(path, expect_fingerprint=ckpt.fingerprint(self.w.model.state_dict()))
 
     def distribute(self) -> dict | None:
-        """Collective over workers: each gets its data position, RNG and local state."""
+        """Collective over workers: each gets its data position, RNG and local state.
+
+        What every worker needs is broadcast; what is one worker's own (its position, RNG
+        state and HFA local optimizer state) is scattered, so no worker holds W copies."""
         w = self.w
         ck = self.loaded
         info = None
+        own = None
         if w.master and ck is not None:
-            old = ck.attrs["topology"]
             positions = ck.progress["data_positions"].tolist()
+            rng = ck.progress.get("rng", {})
+            local = ck.algorithm.get("hfa", {}).get("local", {})
+            n = w.topo.num_workers
+            same = len(positions) == n
+            own = [
+                {
+                    "position": positions[i if same else 0],
+                    "rng": rng.get(f"worker{i if same else 0}"),
+                    "local": local.get(f"worker{i}") if same else None,
+                }
+                for i in range(n)
+            ]
             info = {
                 "step": ck.step,
-                "positions": positions,
-                "rng": ck.progress.get("rng", {}),
-                "local": ck.algorithm.get("hfa", {}).get("local", {}),
+                "workers": len(positions),
                 "strategy": ck.algorithm.get("strategy", {}),
                 "steps": ck.progress["steps"].tolist() if "steps" in ck.progress else None,
-                "old": old,
+                "old": ck.attrs["topology"],
             }
         info = w.comms.all_workers.bcast(info, root=0)
         if info is None:
             return None
-        same = len(info["positions"]) == w.topo.num_workers
-        i = w.widx if same else 0
-        epoch, position = info["positions"][i]
+        mine = w.comms.all_workers.scatter(own, root=0)
+        same = info["workers"] == w.topo.num_workers
+        epoch, position = mine["position"]
         w.loader.load_state_dict({"epoch": int(epoch), "position": int(position)})
-        rng = info["rng"].get(f"worker{i}")
-        if rng is not None:
-            torch.set_rng_state(rng)
-        local = info["local"].get(f"worker{w.widx}") if same else None
-        if local and w.local_opt is not None:
-            self._load_local(local)
+        if mine["rng"] is not None:
+            torch.set_rng_state(mine["rng"])
+        if mine["local"] and w.local_opt is not None:
+            self._load_local(mine["local"])
         w.strategy.load_state(info["strategy"])
         w.step = info["step"]
         if same and info["steps"] is not None:  # MixedSync: each datacenter its own step

@@ -452,13 +452,8 @@ def _server_summary(reports: list[dict]) -> dict:
     gs0 = next((r for r in reports if r.get("global_server") == 0), {})
     out["global_updates"] = gs0.get("updates", 0)
     if "dc_updates" in gs0:
-        stale = [s for _, s, _ in gs0["staleness"]]
-        out.update(
-            dc_updates=gs0["dc_updates"],
-            staleness=gs0["staleness"],
-            max_staleness_seen=max(stale, default=0),
-            mean_staleness=sum(stale) / len(stale) if stale else 0.0,
-        )
+        out["dc_updates"] = gs0["dc_updates"]
+        out.update({k: v for k, v in gs0.items() if "staleness" in k or k.startswith("updates_at")})
     return out
 
 

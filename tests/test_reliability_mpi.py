@@ -60,8 +60,8 @@ def test_resume_with_another_optimizer_is_refused_before_training(tmp_path):
 
 
 def test_a_geompi_setting_that_differs_on_one_rank_is_refused(tmp_path):
-    """MPMD: rank 4 alone reads GEOMPI_SYNC=hfa. Before, it took HFA's path and the others
-    FSA's, and the job hung in their first collective."""
+    """MPMD: rank 4 (the global server) alone reads GEOMPI_SYNC=hfa. Before, the job ran on
+    with one rank configured differently (exit 0); a worker reading it hangs the job."""
     import sys
 
     from tests.mpirun import mpirun_path, run
@@ -141,3 +141,16 @@ def test_metrics_write_failure_does_not_stop_training(small_fs):
     warns = [ln for ln in res.stderr.splitlines() if "cannot write the metrics file" in ln]
     assert len(warns) == 1 and "No space left on device" in warns[0], res.stderr[-3000:]
     assert "steps=300" in res.stderr
+
+
+def test_mixedsync_summary_has_bounded_staleness_statistics(tmp_path):
+    from tests.mpirun import read_jsonl
+
+    m = tmp_path / "m.jsonl"
+    train(5, "--sync", "mixed", "--steps", 60, "--dc-slowdown", "1:2", "--metrics", m)
+    summary = read_jsonl(m)[-1]
+    assert "staleness" not in summary  # the list of every update, unbounded
+    hist = summary["staleness_histogram"]
+    assert sum(hist.values()) == summary["staleness_updates"] == sum(summary["dc_updates"])
+    assert summary["max_staleness_seen"] == max(d["max"] for d in summary["staleness_per_dc"])
+    assert len(summary["updates_at_first_done"]) == 2
