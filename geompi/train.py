@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
+from geompi.comm import heartbeat
 from geompi.comm.buckets import Buckets
 from geompi.comm.topology import Role, Topology, dc_sizes_from_hosts
 from geompi.comm.transport import LAN, Link, LinkStats
@@ -354,6 +355,7 @@ def train(cfg: RunConfig, comm=None) -> dict | None:
     """
     install_signal_handlers()
     comm, topo, comms, stats = start_job(lambda c: plan_topology(cfg.validate(), c), comm)
+    heartbeat.start(comm, cfg.comm_timeout)  # so the watchdog can tell idle from lost
     rank = comm.Get_rank()
     role = topo.role(rank)
     node = log = err = None
@@ -440,6 +442,10 @@ def train(cfg: RunConfig, comm=None) -> dict | None:
             )
         else:
             say(f"geompi: done: {figures}")
+    # Beat until every rank is here: one that is done (a fast MixedSync datacenter) must not
+    # look lost to one still training.
+    comm.Barrier()
+    heartbeat.stop()
     comms.free()
     if summary is not None:
         summary["model"] = {k: v.detach().cpu().clone() for k, v in node.model.state_dict().items()}

@@ -154,3 +154,15 @@ def test_mixedsync_summary_has_bounded_staleness_statistics(tmp_path):
     assert sum(hist.values()) == summary["staleness_updates"] == sum(summary["dc_updates"])
     assert summary["max_staleness_seen"] == max(d["max"] for d in summary["staleness_per_dc"])
     assert len(summary["updates_at_first_done"]) == 2
+
+
+def test_idle_hfa_ranks_are_not_taken_for_lost(tmp_path):
+    """HFA with K1=400: the global servers hear nothing for 400 steps, far beyond a 1 s
+    --comm-timeout. Measuring silence aborted this healthy run ("a rank was lost")."""
+    res = train(
+        9, "--sync", "hfa", "--k1", 400, "--k2", 2, "--steps", 800, "--comm-timeout", 1,
+        check=False, timeout=240,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert not error_lines(res.stderr)
+    assert "steps=800" in res.stderr

@@ -19,6 +19,7 @@ import time
 import numpy as np
 import torch
 
+from geompi.comm import heartbeat
 from geompi.comm.rma import (
     ALL_DONE,
     DONE,
@@ -34,7 +35,7 @@ from geompi.comm.rma import (
     set_per_dc,
 )
 from geompi.comm.topology import Topology
-from geompi.comm.transport import WAN, Requests
+from geompi.comm.transport import WAN, Requests, Watchdog
 from geompi.errors import ConfigError
 from geompi.ps.global_server import GlobalServer
 from geompi.ps.local_server import SyncUplink
@@ -313,7 +314,12 @@ class AsyncGlobalServer(GlobalServer):
     def _serve_async(self) -> None:
         win, ndc = self.win, self.topo.num_dcs
         pause = 2e-5
+        # Deposits may legitimately not come for long (a slowed datacenter): only a heartbeat
+        # can tell that from a lost one, so without one this loop waits as before.
+        timeout = getattr(self, "timeout", None) if heartbeat.active() else None
+        watch = Watchdog(timeout, "deposits from the datacenters")
         while True:
+            watch.check()
             win.lock_self()
             ctrl = win.ctrl.copy()
             win.unlock_self()
