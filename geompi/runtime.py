@@ -123,18 +123,30 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 _signalled: list[str] = []
 
 
-def install_signal_handlers() -> None:
+def install_signal_handlers() -> dict:
     """On every rank, from the start: SIGTERM/SIGINT/SIGUSR1 only record that a stop was asked.
 
     Workers act on it at the next step (checkpoint, then stop the servers); servers keep serving
-    until the workers say STOP, so no rank dies mid-round.
+    until the workers say STOP, so no rank dies mid-round. Returns the handlers replaced, for
+    :func:`restore_signal_handlers`.
     """
 
     def handler(signum, frame) -> None:
         _signalled.append(signal.Signals(signum).name)
 
+    previous = {}
     for s in STOP_SIGNALS:
-        signal.signal(s, handler)
+        previous[s] = signal.signal(s, handler)
+    return previous
+
+
+def restore_signal_handlers(previous: dict) -> None:
+    """Put back what :func:`install_signal_handlers` replaced, and forget the signals
+    received: a second ``train()`` in the process starts unsignalled, and Ctrl-C works again
+    after one."""
+    for s, h in previous.items():
+        signal.signal(s, h if h is not None else signal.SIG_DFL)
+    _signalled.clear()
 
 
 def signalled() -> str:

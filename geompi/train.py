@@ -38,6 +38,7 @@ from geompi.runtime import (
     exit_together,
     install_excepthook,
     install_signal_handlers,
+    restore_signal_handlers,
     say,
     start_job,
 )
@@ -353,7 +354,14 @@ def train(cfg: RunConfig, comm=None) -> dict | None:
     User errors are reported as one line and end the process (exit status 2 at start-up; an
     abort of every rank during training).
     """
-    install_signal_handlers()
+    previous = install_signal_handlers()
+    try:
+        return _train(cfg, comm)
+    finally:
+        restore_signal_handlers(previous)
+
+
+def _train(cfg: RunConfig, comm) -> dict | None:
     comm, topo, comms, stats = start_job(lambda c: plan_topology(cfg.validate(), c), comm)
     heartbeat.start(comm, cfg.comm_timeout)  # so the watchdog can tell idle from lost
     rank = comm.Get_rank()

@@ -166,3 +166,18 @@ def test_idle_hfa_ranks_are_not_taken_for_lost(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     assert not error_lines(res.stderr)
     assert "steps=800" in res.stderr
+
+
+def test_train_twice_in_one_process_restores_signal_handlers():
+    import json
+
+    from tests.mpirun import prog
+
+    res = mpirun(
+        3, [prog("train_twice.py"), "--model", "mlp", "--progress-every", "1e9"], timeout=180
+    )
+    line = [ln for ln in res.stdout.splitlines() if ln.startswith("{")][-1]
+    out = json.loads(line)
+    assert out["first_preempted"] and not out["second_preempted"], out
+    assert out["second_steps"] == 6
+    assert out["sigint_default"] and out["sigusr1_default"] and out["sigterm_default"], out
