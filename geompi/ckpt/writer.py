@@ -304,6 +304,7 @@ def _int_arg(value: Any, what: str) -> int:
 
 
 _HDF5_ERRNO = re.compile(r"errno = (\d+)")
+_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 def _size(node: _Node) -> tuple[int, int]:
@@ -427,9 +428,14 @@ def save(
             reason = e.strerror
         else:
             reason = os.strerror(int(code.group(1))) if code else _reason(e)
+        full = (code and int(code.group(1)) in _FULL) or getattr(e, "errno", None) in _FULL
+        fix = (
+            "free some space or pass a writable --checkpoint-dir"
+            if full
+            else ("pass a writable --checkpoint-dir")
+        )
         raise CheckpointWriteError(
-            f"cannot write checkpoint to {directory}: {reason}; free some space or pass a "
-            "writable --checkpoint-dir"
+            f"cannot write checkpoint to {directory}: {reason}; {fix}"
         ) from None
     except BaseException:
         _remove_quietly(tmp)
