@@ -36,12 +36,8 @@ for sync in ("fsa", "mixed"):
 
 if MPI.COMM_WORLD.Get_rank() == 0:
     mixed, fsa = runs["mixed"], runs["fsa"]
-    records = mixed["staleness"]  # (dc, staleness, seconds since the async tier opened)
-    t_fast_done = max(t for d, _, t in records if d == 0)
-    by_then = {
-        d: sum(1 for e, _, t in records if e == d and t <= t_fast_done)
-        for d in range(len(mixed["dc_updates"]))
-    }
+    # deposits applied per datacenter when the first (the fast) datacenter finished
+    by_then = dict(enumerate(mixed["updates_at_first_done"]))
     slow = by_then[1]
     fast = min(by_then[d] for d in by_then if d != 1)
     out = {

@@ -19,35 +19,68 @@ import json
 import os
 import pathlib
 import re
-import socket
 import tempfile
 from collections import defaultdict
 
+import numpy as np
 import torch
 
 from geompi import ckpt
 from geompi.comm.compression import make_compressor
-from geompi.errors import CheckpointError
+from geompi.errors import CheckpointError, CheckpointWriteError
 from geompi.ps.protocol import TAG_RESTORE, TAG_SNAPSHOT, Op
 from geompi.runtime import say
 
 _BACKUP = re.compile(r"^backup_dc(\d+)$")
 
 
-def check_writable(directory: str) -> None:
-    """Fail at start-up, not after hours of training, if checkpoints cannot be written."""
+def check_writable(directory: str, need_bytes: int = 0) -> None:
+    """Fail at start-up, not after hours of training, if checkpoints cannot be written: the
+    directory must take a file, and hold ``need_bytes`` more (a probe of 0 bytes succeeds on a
+    full disk, so the free space is compared with an estimate of one checkpoint)."""
     try:
         os.makedirs(directory, exist_ok=True)
         # Exclusive and unpredictable (host, pid, random): never writes through a planted symlink.
-        prefix = f".geompi-write-test-{socket.gethostname()}-{os.getpid()}-"
+        prefix = f".geompi-write-test-{ckpt.files._host()}-{os.getpid()}-"
         fd, probe = tempfile.mkstemp(prefix=prefix, dir=directory)
         os.close(fd)
         os.unlink(probe)
+        stale = ckpt.remove_stale_temps(directory)
+        st = os.statvfs(directory)
     except OSError as e:
         raise CheckpointError(
             f"cannot write checkpoint to {directory}: {e.strerror or e}; "
             "pass a writable --checkpoint-dir"
         ) from None
+    if stale:
+        say(f"geompi: removed {len(stale)} temporary file(s) of killed writers from {directory}")
+    free = st.f_bavail * st.f_frsize
+    if free < need_bytes:
+        raise CheckpointError(
+            f"checkpoint directory {directory} has {_mib(free)} free but one checkpoint needs "
+            f"about {_mib(need_bytes)}: free some space or pass another --checkpoint-dir"
+        )
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def checkpoint_bytes(model: torch.nn.Module, cfg, num_workers: int, num_dcs: int) -> int:
+    """An upper estimate of one checkpoint's size: the model, the optimizer state per copy
+    (HFA: one per worker; DCASGD: a backup per datacenter), RNG states, and the file's own
+    overhead (about 1 KiB per dataset, plus the attributes)."""
+    tensors = list(model.state_dict().values())
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    states = len(expected_state_names(cfg) - {"step"})
+    copies = 1 + states * (num_workers if cfg.sync == "hfa" else 1)
+    if cfg.optimizer == "dcasgd":
+        copies += num_dcs
+    if cfg.sync == "hfa":
+        copies += 1  # the outer momentum
+    datasets = len(tensors) * (1 + copies)
+    rng = torch.get_rng_state().numel() * num_workers
+    return int(1.05 * nbytes * copies) + 1024 * datasets + rng + 256 * 1024
 
 
 def resolve_resume(resume: str | None, directory: str | None) -> pathlib.Path | None:
@@ -62,6 +95,154 @@ def resolve_resume(resume: str | None, directory: str | None) -> pathlib.Path | 
     return path
 
 
+def expected_state_names(cfg) -> set[str]:
+    """The per-parameter state names ``cfg``'s optimizer keeps after one step (empty for
+    plain SGD; None-valued entries, such as SGD's buffer without momentum, do not count)."""
+    from geompi.ps.optim import make_spec, torch_optimizer
+
+    if cfg.optimizer == "dcasgd":
+        return set()  # its per-datacenter backups live under /algorithm
+    spec = make_spec(
+        cfg.optimizer, cfg.effective_lr, cfg.effective_momentum, cfg.weight_decay, cfg.nesterov
+    )
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch_optimizer(spec, [p])
+    p.grad = torch.ones(1)
+    opt.step()
+    return {k for k, v in opt.state[p].items() if v is not None}
+
+
+def _is_int(v) -> bool:
+    return not isinstance(v, bool) and isinstance(v, (int, np.integer))
+
+
+def check_resumable(
+    path, ck: ckpt.Checkpoint, cfg, shapes: dict[str, torch.Size], num_workers: int
+) -> str:
+    """Refuse, before training, a checkpoint that verifies but would not resume this run.
+
+    Checks the optimizer's name and state names, every state tensor's shape against its
+    parameter, /progress, the step and the types of the attributes. Returns a note for a
+    resume onto another worker count ('' otherwise).
+    """
+
+    def bad(what: str, fix: str = "resume from a checkpoint written by this geompi") -> None:
+        raise CheckpointError(f"checkpoint {path}: {what}: {fix}")
+
+    if ck.step < 0 or ck.epoch < 0:
+        bad(f"negative step {ck.step} or epoch {ck.epoch}")
+    topo = ck.attrs.get("topology")
+    if not isinstance(topo, dict) or not all(
+        isinstance(topo.get(k), list) and topo[k] and all(_is_int(x) and x > 0 for x in topo[k])
+        for k in ("dc_sizes",)
+    ):
+        bad(f"attribute topology is {topo!r}, not a topology")
+    config = ck.attrs.get("config")
+    if not isinstance(config, dict):
+        bad(f"attribute config is {type(config).__name__}, not a JSON object")
+    strategy = ck.algorithm.get("strategy", {})
+    if not isinstance(strategy, dict) or not all(_is_int(v) for v in strategy.values()):
+        bad("/algorithm/strategy holds non-integer counters")
+    if not _is_int(ck.algorithm.get("global_updates", 0)):
+        bad("/algorithm@global_updates is not an integer")
+
+    # The optimizer: its name, then the state each parameter needs (a missing exp_avg is a
+    # KeyError at the first update, hours after the start).
+    local = ck.algorithm.get("hfa", {}).get("local", {})
+    if cfg.sync == "hfa":
+        written = config.get("optimizer") if local else None
+        states = {}
+        for worker, st in local.items():
+            if not isinstance(st, dict):
+                bad(f"/algorithm/hfa/local/{worker} is not a group")
+            states.update({f"hfa/local/{worker}/{k}": v for k, v in st.items()})
+    else:
+        written = ck.optimizer_attrs.get("name")
+        states = dict(ck.optimizer)
+    if written is not None and written != cfg.optimizer:
+        bad(
+            f"it holds {written} optimizer state but this run uses --optimizer {cfg.optimizer}",
+            f"resume with --optimizer {written}, or start a new --checkpoint-dir",
+        )
+    per_param: dict[tuple[str, str], set[str]] = defaultdict(set)  # (worker, param) -> names
+    for state_path, named in states.items():
+        if not isinstance(named, dict):
+            bad(f"optimizer state {state_path} is not a group of tensors")
+        owner, _, state_name = state_path.rpartition("/")
+        for name, t in named.items():
+            per_param[(owner, name)].add(state_name)
+            _check_tensor(bad, f"optimizer state {state_path}/{name}", name, t, shapes)
+    want = expected_state_names(cfg)
+    for (_, name), have in sorted(per_param.items()):
+        missing = want - have
+        if missing:
+            bad(
+                f"parameter {name} lacks optimizer state {', '.join(sorted(missing))} that "
+                f"--optimizer {cfg.optimizer} needs",
+                "resume with the checkpoint's --optimizer and momentum, or start a new "
+                "--checkpoint-dir",
+            )
+    for dc, named in ck.algorithm.get("dcasgd", {}).get("backup", {}).items():
+        for name, t in named.items():
+            _check_tensor(bad, f"DCASGD backup {dc}/{name}", name, t, shapes, scalar=False)
+    for name, t in ck.algorithm.get("hfa", {}).get("outer_momentum", {}).items():
+        _check_tensor(bad, f"HFA outer momentum {name}", name, t, shapes, scalar=False)
+
+    # /progress: one (epoch, position) row, step and RNG state per worker of the old run.
+    pr = ck.progress
+    pos = pr.get("data_positions")
+    if not isinstance(pos, torch.Tensor) or pos.dim() != 2 or pos.shape[1] != 2 or not len(pos):
+        bad(f"/progress/data_positions is {_shape_of(pos)}, not one (epoch, position) per worker")
+    if pos.is_floating_point() or bool((pos < 0).any()):
+        bad("/progress/data_positions holds negative or non-integer positions")
+    old_workers = len(pos)
+    steps = pr.get("steps")
+    if steps is not None and (
+        not isinstance(steps, torch.Tensor)
+        or steps.shape != (old_workers,)
+        or steps.is_floating_point()
+        or bool((steps < 0).any())
+    ):
+        bad(f"/progress/steps is {_shape_of(steps)}, not one step per worker ({old_workers})")
+    rng_len = torch.get_rng_state().numel()
+    rng = pr.get("rng", {})
+    if not isinstance(rng, dict):
+        bad("/progress/rng is not a group")
+    for k, t in rng.items():
+        if not (isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.shape == (rng_len,)):
+            bad(f"/progress/rng/{k} is {_shape_of(t)}, not a torch CPU RNG state")
+    if local and len(local) != old_workers:
+        bad(f"{len(local)} HFA local optimizer states but {old_workers} workers in /progress")
+    if old_workers == num_workers:
+        return ""
+    return (
+        f" ({old_workers} workers -> {num_workers}: every worker continues from worker 0's data "
+        "position and RNG state"
+        + (", HFA local optimizer states start fresh" if local else "")
+        + ")"
+    )
+
+
+def _shape_of(t) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"a {t.dtype} tensor of shape {tuple(t.shape)}"
+    return "missing" if t is None else type(t).__name__
+
+
+def _check_tensor(bad, what: str, name: str, t, shapes, scalar: bool = True) -> None:
+    if name not in shapes:
+        bad(f"{what} belongs to no parameter of this model")
+    if not isinstance(t, torch.Tensor):
+        bad(f"{what} is {_shape_of(t)}, not a tensor")
+    if t.dim() == 0 and scalar:
+        return
+    if t.shape != shapes[name] or not t.is_floating_point():
+        bad(
+            f"{what} is {_shape_of(t)} but the parameter is {tuple(shapes[name])}",
+            "the file is damaged or was edited; resume from an earlier checkpoint",
+        )
+
+
 class Checkpointing:
     """A worker's part in saving and restoring. Collective over all workers (and servers)."""
 
@@ -70,9 +251,58 @@ class Checkpointing:
         self.names = worker.buckets.named_slices()  # name -> (key, offset, numel, shape)
         self.loaded: ckpt.Checkpoint | None = None
         self.restore_note = ""
+        self.worker_note = ""  # master: what a resume onto another worker count does
         self.starts: list[dict] | None = None  # MixedSync, master: every worker's run start
         self.saved_step = -1  # the step of this run's last checkpoint
         self.saved_model: dict[str, torch.Tensor] | None = None  # master: its /model
+        self.resumed_from: pathlib.Path | None = None  # master: the file this run resumed
+        self.failed_step = -1  # master: the step whose checkpoint could not be written
+        self.written: list[pathlib.Path] = []  # master: this run's files, newest first
+
+    def load_resume(self, resume: str | None, directory: str | None) -> pathlib.Path | None:
+        """Master, at start-up: load what ``--resume`` names and return its path.
+
+        ``latest`` takes the file written last; if that one cannot be read (a torn or corrupt
+        file), the one written before it, and so on, saying once which were skipped. If none
+        can be read, the newest file's error is raised.
+        """
+        if resume != "latest":
+            path = resolve_resume(resume, directory)
+            if path is not None:
+                self.load(path)
+            return path
+        skipped: list[tuple[pathlib.Path, CheckpointError]] = []
+        for path in ckpt.by_write_order(directory):
+            try:  # only an unreadable file is skipped; a mismatch with this run is not
+                ck = self.read(path)
+            except CheckpointError as e:
+                skipped.append((path, e))
+                continue
+            self.load(path, ck)
+            if skipped:
+                first, err = skipped[0]
+                say(
+                    f"geompi: --resume latest: skipped {len(skipped)} unusable checkpoint(s), "
+                    f"newest {first.name} ({err}); resuming from {path.name} instead"
+                )
+            return path
+        if skipped:
+            raise skipped[0][1]
+        return None
+
+    def lineage(self, just_written: pathlib.Path) -> list[pathlib.Path]:
+        """What this run's checkpoints descend from, newest first: its own files, the file it
+        resumed from, then the files of lower step than that one."""
+        self.written = [just_written] + [p for p in self.written if p != just_written]
+        out = list(self.written)
+        base = self.resumed_from
+        if base is not None:
+            out.append(base)
+            older = [
+                p for p in ckpt.list_checkpoints(base.parent) if p.name < base.name and p not in out
+            ]
+            out += reversed(older)
+        return out
 
     def record_starts(self) -> None:
         """Collective over all workers (MixedSync with checkpoints): where each worker starts,
@@ -135,6 +365,24 @@ class Checkpointing:
         }
         cfg = w.cfg
         path = pathlib.Path(cfg.checkpoint_dir) / ckpt.checkpoint_name(step)
+        try:
+            self._write(path, step, model, optimizer, algorithm, progress, metrics)
+        except CheckpointWriteError as e:
+            # A full disk must not cost the run: the state is intact in memory, the last good
+            # file is untouched (written to a temporary, renamed only when complete).
+            self.failed_step = step
+            last = self.written[0].name if self.written else "none from this run"
+            say(
+                f"geompi: warning: checkpoint of step {step} not written ({e}); training goes "
+                f"on, the last good checkpoint is {last}"
+            )
+            return None
+        self.failed_step = -1
+        ckpt.prune(cfg.checkpoint_dir, cfg.keep, lineage=self.lineage(path))
+        return path
+
+    def _write(self, path, step, model, optimizer, algorithm, progress, metrics) -> None:
+        w, cfg = self.w, self.w.cfg
         ckpt.save(
             path,
             model=model,
@@ -149,8 +397,6 @@ class Checkpointing:
             config=json.loads(cfg.to_json()),
             metrics=metrics,
         )
-        ckpt.prune(cfg.checkpoint_dir, cfg.keep)
-        return path
 
     def _receive_snapshots(self) -> list[dict]:
         w = self.w
@@ -280,11 +526,12 @@ class Checkpointing:
         return out
 
     # ---- restoring ------------------------------------------------------------------------
-    def load(self, path: pathlib.Path) -> None:
-        """Master worker, at start-up: read and check the whole file before anything starts."""
+    def load(self, path: pathlib.Path, ck: ckpt.Checkpoint | None = None) -> None:
+        """Master worker, at start-up: read and check the whole file before anything starts
+        (``ck``: the file already read by :meth:`read`)."""
         w = self.w
-        fp = ckpt.fingerprint(w.model.state_dict())
-        ck = ckpt.load(path, expect_fingerprint=fp)
+        if ck is None:
+            ck = self.read(path)
         if ck.algorithm_name != w.cfg.sync:
             raise CheckpointError(
                 f"checkpoint {path} was written by --sync {ck.algorithm_name}: resume it with "
@@ -301,41 +548,59 @@ class Checkpointing:
                 "residuals and replicas (held by the local servers) it does not hold, so a "
                 "resume would not continue that run: resume with --wan-compression none"
             )
+        shapes = {n: p.shape for n, p in w.model.named_parameters()}
+        self.worker_note = check_resumable(path, ck, w.cfg, shapes, w.topo.num_workers)
         with torch.no_grad():
             for name, p in w.model.named_parameters():
                 p.copy_(ck.model[name].to(p.device))
         self.loaded = ck
+        self.resumed_from = pathlib.Path(path)
+
+    def read(self, path: pathlib.Path) -> ckpt.Checkpoint:
+        """Read and verify the file (every checksum, this model's fingerprint)."""
+        return ckpt.load(path, expect_fingerprint=ckpt.fingerprint(self.w.model.state_dict()))
 
     def distribute(self) -> dict | None:
-        """Collective over workers: each gets its data position, RNG and local state."""
+        """Collective over workers: each gets its data position, RNG and local state.
+
+        What every worker needs is broadcast; what is one worker's own (its position, RNG
+        state and HFA local optimizer state) is scattered, so no worker holds W copies."""
         w = self.w
         ck = self.loaded
         info = None
+        own = None
         if w.master and ck is not None:
-            old = ck.attrs["topology"]
             positions = ck.progress["data_positions"].tolist()
+            rng = ck.progress.get("rng", {})
+            local = ck.algorithm.get("hfa", {}).get("local", {})
+            n = w.topo.num_workers
+            same = len(positions) == n
+            own = [
+                {
+                    "position": positions[i if same else 0],
+                    "rng": rng.get(f"worker{i if same else 0}"),
+                    "local": local.get(f"worker{i}") if same else None,
+                }
+                for i in range(n)
+            ]
             info = {
                 "step": ck.step,
-                "positions": positions,
-                "rng": ck.progress.get("rng", {}),
-                "local": ck.algorithm.get("hfa", {}).get("local", {}),
+                "workers": len(positions),
                 "strategy": ck.algorithm.get("strategy", {}),
                 "steps": ck.progress["steps"].tolist() if "steps" in ck.progress else None,
-                "old": old,
+                "old": ck.attrs["topology"],
             }
         info = w.comms.all_workers.bcast(info, root=0)
         if info is None:
             return None
-        same = len(info["positions"]) == w.topo.num_workers
-        i = w.widx if same else 0
-        epoch, position = info["positions"][i]
+        mine = w.comms.all_workers.scatter(own, root=0)
+        same = info["workers"] == w.topo.num_workers
+        epoch, position = mine["position"]
         w.loader.load_state_dict({"epoch": int(epoch), "position": int(position)})
-        rng = info["rng"].get(f"worker{i}")
-        if rng is not None:
-            torch.set_rng_state(rng)
-        local = info["local"].get(f"worker{w.widx}") if same else None
-        if local and w.local_opt is not None:
-            self._load_local(local)
+        if mine["rng"] is not None:
+            torch.set_rng_state(mine["rng"])
+        if mine["local"] and w.local_opt is not None:
+            self._load_local(mine["local"])
         w.strategy.load_state(info["strategy"])
         w.step = info["step"]
         if same and info["steps"] is not None:  # MixedSync: each datacenter its own step
@@ -346,10 +611,9 @@ class Checkpointing:
             self.restore_note = (
                 f" (topology changed from {old.get('dc_sizes')} + {old.get('global_servers')} "
                 f"global server(s) to {new['dc_sizes']} + {new['global_servers']}: model and "
-                "optimizer state re-sharded"
-                + ("" if same else ", data positions and local optimizer state reset")
-                + ")"
+                "optimizer state re-sharded)"
             )
+        self.restore_note += self.worker_note
         steps = info["steps"]
         if same and steps is not None and len(set(steps)) > 1:
             per_dc = {}

@@ -187,10 +187,15 @@ class RunConfig:
             raise ConfigError(f"unknown --dc-map {self.dc_map!r}: choose blocks or nodes")
         if self.max_staleness is not None and self.max_staleness < 1:
             raise ConfigError(f"--max-staleness {self.max_staleness}: must be at least 1")
-        if self.bucket_mb <= 0:
-            raise ConfigError(f"--bucket-mb {self.bucket_mb}: must be > 0")
-        if self.comm_timeout is not None and self.comm_timeout <= 0:
-            raise ConfigError(f"--comm-timeout {self.comm_timeout}: must be > 0 seconds")
+        # "not x > 0" also refuses NaN, which compares false with everything
+        if not (self.bucket_mb > 0 and math.isfinite(self.bucket_mb)):
+            raise ConfigError(f"--bucket-mb {self.bucket_mb}: must be a finite number > 0")
+        if self.comm_timeout is not None and not (
+            self.comm_timeout > 0 and math.isfinite(self.comm_timeout)
+        ):
+            raise ConfigError(
+                f"--comm-timeout {self.comm_timeout}: must be a finite number of seconds > 0"
+            )
         if self.checkpoint_every < 0:
             raise ConfigError(f"--checkpoint-every {self.checkpoint_every}: must be >= 0")
         if self.keep < 1:

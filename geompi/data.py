@@ -31,6 +31,7 @@ IDX_FILES = {
 _IDX_DTYPES = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
 _PRETTY = {"mnist": "MNIST", "fashion-mnist": "Fashion-MNIST"}
 _HDF5_SUFFIXES = (".h5", ".hdf5")
+MAX_CLASSES = 100_000  # more output classes than this is a labelling mistake, not a dataset
 
 
 @dataclass
@@ -74,9 +75,15 @@ def _finish(
     y_test: np.ndarray | torch.Tensor,
     num_classes: int,
 ) -> Dataset:
-    """Convert to tensors and normalize both splits with the train split's per-channel stats."""
+    """Check, convert to tensors and normalize both splits with the train split's stats.
+
+    Every loader ends here, so the checks that hold for any dataset live here: both splits
+    non-empty, finite inputs, labels within 0..num_classes-1 and a plausible class count.
+    """
     xtr = torch.as_tensor(x_train, dtype=torch.float32)
     xte = torch.as_tensor(x_test, dtype=torch.float32)
+    _check_split(name, "train", xtr, y_train, num_classes)
+    _check_split(name, "test", xte, y_test, num_classes)
     mean = xtr.mean(dim=(0, 2, 3), keepdim=True)
     std = xtr.std(dim=(0, 2, 3), keepdim=True)
     std = torch.where(std > 1e-8, std, torch.ones_like(std))
@@ -88,6 +95,22 @@ def _finish(
         y_test=torch.as_tensor(y_test, dtype=torch.int64).contiguous(),
         num_classes=int(num_classes),
     )
+
+
+def _check_split(name: str, split: str, x: torch.Tensor, y, num_classes: int) -> None:
+    """One line per problem: an empty split, NaN/Inf inputs, labels out of range."""
+    if len(x) == 0:
+        raise DataError(
+            f"{name}: the {split} split is empty: add {split} samples (accuracy needs a test split)"
+        )
+    if not bool(torch.isfinite(x).all()):
+        raise DataError(f"{name}: the {split} inputs hold NaN or Inf: clean the data")
+    y = torch.as_tensor(y)
+    if len(y) and (int(y.min()) < 0 or int(y.max()) >= num_classes):
+        raise DataError(
+            f"{name}: the {split} labels span {int(y.min())}..{int(y.max())}, outside "
+            f"0..{num_classes - 1}: store class indices 0..K-1"
+        )
 
 
 # --- digits -------------------------------------------------------------------------------------
@@ -309,10 +332,23 @@ def _load_hdf5(data_dir: str | None) -> Dataset:
     num_classes = max(top, 2)
     if declared is not None:
         num_classes = int(np.asarray(declared).item())
+        if not 2 <= num_classes <= MAX_CLASSES:
+            raise DataError(
+                f"hdf5: {path} declares num_classes={num_classes}: use 2..{MAX_CLASSES}"
+            )
         if top > num_classes:
             raise DataError(
                 f"hdf5: {path} declares num_classes={num_classes} but has label {top - 1}: fix "
                 "the num_classes attribute or the labels"
+            )
+    else:
+        # An inferred class count is max label + 1: a sentinel such as 65535 (uint16 -1) would
+        # build a 65536-way output layer. Refuse labels far beyond the classes actually seen.
+        seen = len(np.union1d(ys["train"], ys["test"]))
+        if top > MAX_CLASSES or (top > 16 and top > 2 * seen):
+            raise DataError(
+                f"hdf5: {path} has label {top - 1} but only {seen} distinct labels: store class "
+                "indices 0..K-1, or declare the num_classes attribute if classes are absent"
             )
     return _finish("hdf5", xs["train"], ys["train"], xs["test"], ys["test"], num_classes)
 

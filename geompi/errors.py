@@ -27,6 +27,11 @@ class CheckpointError(GeompiError):
     """A checkpoint cannot be written, or is corrupt, truncated or of another model."""
 
 
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint file could not be written (full disk, quota, I/O error): the run's data
+    is intact, so training can go on without that checkpoint."""
+
+
 class ProtocolError(GeompiError):
     """Ranks disagree about a round (e.g. KVStore keys pushed in different orders)."""
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from typing import IO, Any
 
 from geompi.errors import ConfigError
+
+from geompi.runtime import say
 
 
 class MetricsLog:
@@ -19,21 +22,44 @@ class MetricsLog:
 
     def __init__(self, path: str | None, tensorboard: str | None = None) -> None:
         self.records = 0
+        self.path = path
         self._f: IO[str] | None = open(path, "a") if path else None  # noqa: SIM115
         self._t0 = time.time()
         self._tb: Any = _summary_writer(tensorboard) if tensorboard else None
 
     def write(self, record: dict) -> None:
+        """Append ``record``. A failed write (a full disk) stops the log, not the training:
+        one warning line, then the records are counted but not written."""
         self.records += 1
         if self._f is not None:
-            self._f.write(json.dumps({"time": round(time.time() - self._t0, 4), **record}) + "\n")
-            self._f.flush()
+            line = json.dumps({"time": round(time.time() - self._t0, 4), **record}) + "\n"
+            try:
+                self._f.write(line)
+                self._f.flush()
+            except OSError as e:
+                self._stop(e)
         if self._tb is not None:
             _to_tensorboard(self._tb, record)
 
+    def _stop(self, e: OSError) -> None:
+        say(
+            f"geompi: warning: cannot write the metrics file {self.path} ({e.strerror or e}); "
+            "training goes on without metrics: free some space or pass another --metrics"
+        )
+        f, self._f = self._f, None
+        with contextlib.suppress(OSError):
+            f.close()
+
     def close(self) -> None:
         if self._f is not None:
-            self._f.close()
+            try:
+                self._f.close()
+            except OSError as e:
+                self._f = None
+                say(
+                    f"geompi: warning: cannot finish the metrics file {self.path} "
+                    f"({e.strerror or e})"
+                )
             self._f = None
         if self._tb is not None:
             self._tb.close()

@@ -92,12 +92,27 @@ def _rank() -> int:
         return -1
 
 
+def _is_h5py_dealloc(tb) -> bool:
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name == "_dealloc" and "h5py" in tb.tb_frame.f_code.co_filename:
+            return True
+        tb = tb.tb_next
+    return False
+
+
 def install_excepthook() -> None:
     """An uncaught exception on one rank aborts the job instead of hanging the others."""
 
     def hook(typ, value, tb):
         if issubclass(typ, (KeyboardInterrupt, SystemExit)):
             sys.__excepthook__(typ, value, tb)
+            return
+        if sys._getframe().f_back is not None:
+            # Not uncaught: C code reported an error it then ignored (PyErr_Print), as h5py's
+            # object deallocation does when a write to a full disk failed. The operation
+            # itself raises what matters; aborting here killed runs that would have gone on.
+            if not _is_h5py_dealloc(tb):
+                sys.__excepthook__(typ, value, tb)
             return
         abort(value)
 
@@ -108,18 +123,30 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 _signalled: list[str] = []
 
 
-def install_signal_handlers() -> None:
+def install_signal_handlers() -> dict:
     """On every rank, from the start: SIGTERM/SIGINT/SIGUSR1 only record that a stop was asked.
 
     Workers act on it at the next step (checkpoint, then stop the servers); servers keep serving
-    until the workers say STOP, so no rank dies mid-round.
+    until the workers say STOP, so no rank dies mid-round. Returns the handlers replaced, for
+    :func:`restore_signal_handlers`.
     """
 
     def handler(signum, frame) -> None:
         _signalled.append(signal.Signals(signum).name)
 
+    previous = {}
     for s in STOP_SIGNALS:
-        signal.signal(s, handler)
+        previous[s] = signal.signal(s, handler)
+    return previous
+
+
+def restore_signal_handlers(previous: dict) -> None:
+    """Put back what :func:`install_signal_handlers` replaced, and forget the signals
+    received: a second ``train()`` in the process starts unsignalled, and Ctrl-C works again
+    after one."""
+    for s, h in previous.items():
+        signal.signal(s, h if h is not None else signal.SIG_DFL)
+    _signalled.clear()
 
 
 def signalled() -> str:
@@ -140,13 +167,74 @@ def start_job(plan, comm=None):
     if comm is None:
         comm = world()
     rank = comm.Get_rank()
+    rows = comm.allgather(rank_settings())  # before validating: a setting may differ by rank
     try:
+        check_same_env(rows)
         topo = plan(comm)
+        check_same_device(rows, topo)
     except GeompiError as e:
         exit_together(e, rank)
     if rank == 0:
         print(topo.table(), flush=True)
     return comm, topo, build_communicators(topo, comm), LinkStats()
+
+
+# Per-rank by nature: the device is compared among the workers of a datacenter instead.
+_PER_RANK_ENV = ("GEOMPI_DEVICE",)
+
+
+def rank_settings() -> dict:
+    """What must agree across ranks: the ``GEOMPI_*``/``MXNET_KVSTORE_*`` environment and
+    the worker device this rank would choose (geompi.train.worker_device's rule)."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k.startswith(("GEOMPI_", "MXNET_KVSTORE_")) and k not in _PER_RANK_ENV
+    }
+    device = "cpu"
+    if os.environ.get("GEOMPI_DEVICE", "").lower() != "cpu":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return {"env": env, "device": device}
+
+
+def check_same_env(rows: list[dict]) -> None:
+    """Raise ConfigError naming the first variable that differs between ranks: ranks that
+    read different settings take different paths and hang in each other's collectives."""
+    from geompi.errors import ConfigError
+
+    keys = sorted({k for r in rows for k in r["env"]})
+    for k in keys:
+        vals = [r["env"].get(k) for r in rows]
+        if len(set(vals)) > 1:
+            odd = next(i for i, v in enumerate(vals) if v != vals[0])
+            raise ConfigError(
+                f"{k} differs between ranks (rank 0: {_show(vals[0])}, rank {odd}: "
+                f"{_show(vals[odd])}): set the same value on every rank (mpirun -x {k})"
+            )
+
+
+def check_same_device(rows: list[dict], topo) -> None:
+    """Raise ConfigError if one datacenter mixes GPU and CPU workers (its workers would meet
+    in a collective that only the GPU ranks call)."""
+    from geompi.errors import ConfigError
+
+    by_dc: dict[int, dict[str, int]] = {}
+    for r in topo.all_workers:
+        by_dc.setdefault(topo.dc_of(r), {}).setdefault(rows[r]["device"], r)
+    for dc, kinds in sorted(by_dc.items()):
+        if len(kinds) > 1:
+            (a, ra), (b, rb) = sorted(kinds.items())[:2]
+            raise ConfigError(
+                f"datacenter {dc} mixes {a} and {b} workers (rank {ra}: {a}, rank {rb}: {b}): "
+                "give every worker of a datacenter the same device (GEOMPI_DEVICE=cpu, or GPUs "
+                "on every node)"
+            )
+
+
+def _show(v: str | None) -> str:
+    return "unset" if v is None else repr(v)
 
 
 class StopRequest:

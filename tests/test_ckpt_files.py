@@ -4,7 +4,9 @@ symlink someone planted; a missing optional package is one line (issue #13)."""
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -91,3 +93,43 @@ def test_export_safetensors_without_the_package_is_one_line(tmp_path, capsys, mo
     assert err.startswith("geompi.ckpt: error: ") and err.count("\n") == 1, err
     assert "pip install 'geompi[safetensors]'" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.h5"]
+
+
+def test_rotation_follows_write_order_and_lineage(tmp_path):
+    """After a resume from an older checkpoint the new files have lower steps than the
+    abandoned ones: ordering by step deleted each new file right after it was written."""
+    for step in (10, 20, 30, 40, 50):
+        ckpt.save(tmp_path / ckpt.checkpoint_name(step), model={"w": torch.zeros(2)}, step=step)
+    resumed = tmp_path / ckpt.checkpoint_name(10)
+    new = tmp_path / ckpt.checkpoint_name(15)
+    ckpt.save(new, model={"w": torch.ones(2)}, step=15)
+    assert ckpt.latest(tmp_path) == new  # written last, although 50 has the higher step
+    deleted = ckpt.prune(tmp_path, keep=2, lineage=[new, resumed])
+    assert new.exists() and resumed.exists()
+    assert sorted(p.name for p in deleted) == [ckpt.checkpoint_name(s) for s in (20, 30, 40, 50)]
+    # keep=1: the file just written is never the one deleted
+    ckpt.prune(tmp_path, keep=1, lineage=[new])
+    assert ckpt.list_checkpoints(tmp_path) == [new]
+
+
+def test_stale_temporaries_of_killed_writers_are_removed(tmp_path):
+    from geompi.checkpointing import check_writable
+    from geompi.ckpt import files
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = files._host()
+    stale = tmp_path / f".ckpt-00000020.h5.tmp-{host}-{dead.pid}-0123456789abcdef"
+    stale.write_bytes(b"partial")
+    probe = tmp_path / f".geompi-write-test-{host}-{dead.pid}-abc_12"
+    probe.write_bytes(b"")
+    live = tmp_path / f".ckpt-00000030.h5.tmp-{host}-{os.getpid()}-0123456789abcdef"
+    live.write_bytes(b"being written")
+    other = tmp_path / f".ckpt-00000040.h5.tmp-otherhost-{dead.pid}-0123456789abcdef"
+    other.write_bytes(b"another node's writer")
+    check_writable(str(tmp_path))
+    assert not stale.exists() and not probe.exists()
+    assert live.exists() and other.exists()  # a live writer, and a host we cannot ask
+    day_old = time.time() - files.STALE_TEMP_S - 60
+    os.utime(other, (day_old, day_old))
+    assert files.remove_stale_temps(tmp_path) == [other]

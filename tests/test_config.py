@@ -282,6 +282,9 @@ def test_dcasgd_with_hfa_is_rejected() -> None:
         (["--max-staleness", "0"], "--max-staleness 0"),
         (["--bucket-mb", "0"], "--bucket-mb 0"),
         (["--comm-timeout", "0"], "--comm-timeout 0"),
+        (["--comm-timeout", "nan"], "--comm-timeout nan"),  # NaN > 0 is False, so was NaN <= 0
+        (["--comm-timeout", "inf"], "--comm-timeout inf"),
+        (["--bucket-mb", "nan"], "--bucket-mb nan"),
         (["--sync", "hfa", "--optimizer", "dcasgd"], "--optimizer dcasgd"),
     ],
 )

@@ -112,7 +112,7 @@ def test_unknown_names_and_missing_data_dir() -> None:
 
 
 def _idx_bytes(arr: np.ndarray) -> bytes:
-    code = {np.dtype(np.uint8): 0x08, np.dtype(">i4"): 0x0C}[arr.dtype]
+    code = {np.dtype(np.uint8): 0x08, np.dtype(">i4"): 0x0C, np.dtype(">f4"): 0x0D}[arr.dtype]
     header = struct.pack(">BBBB", 0, 0, code, arr.ndim)
     header += b"".join(struct.pack(">I", d) for d in arr.shape)
     return header + arr.tobytes()
@@ -205,6 +205,47 @@ def test_idx_errors(tmp_path) -> None:
     with pytest.raises(DataError) as exc:
         load_dataset("mnist", str(tmp_path / "nowhere"))
     assert "not a directory" in one_line(exc)
+
+
+def test_idx_empty_test_split_and_nan_inputs(tmp_path) -> None:
+    """An empty test split and NaN in float images are refused in one line each."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    _write_mnist(empty, n_test=0)
+    with pytest.raises(DataError) as exc:
+        load_dataset("mnist", str(empty))
+    assert "test split is empty" in one_line(exc)
+    nan = tmp_path / "nan"
+    nan.mkdir()
+    _write_mnist(nan)
+    x = np.random.RandomState(0).rand(20, 28, 28).astype(">f4")
+    x[3, 4, 5] = np.nan
+    (nan / IDX_FILES["x_train"]).write_bytes(_idx_bytes(x))
+    with pytest.raises(DataError) as exc:
+        load_dataset("mnist", str(nan))
+    assert "train inputs hold NaN" in one_line(exc)
+
+
+def test_hdf5_absurd_labels_and_empty_test_split(tmp_path) -> None:
+    rng = np.random.RandomState(0)
+    x = rng.rand(12, 4).astype(np.float32)
+    y = rng.randint(0, 3, 12).astype(np.uint16)
+    y[5] = 65535  # a sentinel (uint16 -1), not a class: it once built a 65536-class layer
+    _write_h5(tmp_path / "a.h5", x, y, x[:4], y[:4] % 3)
+    with pytest.raises(DataError) as exc:
+        load_dataset("hdf5", str(tmp_path / "a.h5"))
+    assert "label 65535 but only 4 distinct labels" in one_line(exc)
+    _write_h5(tmp_path / "b.h5", x, y % 3, x[:4], y[:4] % 3, num_classes=10**9)
+    with pytest.raises(DataError) as exc:
+        load_dataset("hdf5", str(tmp_path / "b.h5"))
+    assert "num_classes=1000000000" in one_line(exc)
+    _write_h5(tmp_path / "c.h5", x, y % 3, x[:0], (y % 3)[:0])
+    with pytest.raises(DataError) as exc:
+        load_dataset("hdf5", str(tmp_path / "c.h5"))
+    assert "empty" in one_line(exc)
+    # a missing class with the attribute declared is fine
+    _write_h5(tmp_path / "d.h5", x, y % 3, x[:4], y[:4] % 3, num_classes=40)
+    assert load_dataset("hdf5", str(tmp_path / "d.h5")).num_classes == 40
 
 
 # --- HDF5 ---------------------------------------------------------------------------------------

@@ -61,7 +61,8 @@ def test_mixed_dcasgd_default_dataset_accuracy(tmp_path):
     assert start["config"]["optimizer"] == "dcasgd"  # not GeoMX's silent Adam
     assert summary["test_acc"] >= 0.93
     assert summary["max_staleness_seen"] >= 1  # the tiers really were asynchronous
-    assert len(summary["staleness"]) == sum(summary["dc_updates"])
+    assert summary["staleness_updates"] == sum(summary["dc_updates"])
+    assert sum(summary["staleness_histogram"].values()) == sum(summary["dc_updates"])
 
 
 # --- DCASGD against a single-process replay (issue #12) ------------------------------------------

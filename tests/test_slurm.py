@@ -115,6 +115,29 @@ def test_scripts_have_the_required_headers():
         assert r.returncode == 0, r.stderr
 
 
+def test_default_checkpoint_dir_is_per_job(tmp_path):
+    """Two jobs of one name get two directories (a second `sbatch fsa.sbatch` once resumed from
+    and pruned the first job's files); a requeue of one job (same SLURM_JOB_ID) gets the same."""
+
+    def ckpt_dir(job_id: str) -> str:
+        env = {
+            **os.environ,
+            "SLURM_JOB_ID": job_id,
+            "SLURM_JOB_NAME": "fsa",
+            "SLURM_SUBMIT_DIR": str(tmp_path),
+            "GEOMPI_PYTHON": PYTHON,
+        }
+        env.pop("GEOMPI_CKPT_DIR", None)
+        script = f'source "{JOBS}/common.sh"; geompi_setup >/dev/null; echo "$GEOMPI_CKPT_DIR"'
+        r = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        return r.stdout.strip().splitlines()[-1]
+
+    first, second, requeued = ckpt_dir("101"), ckpt_dir("102"), ckpt_dir("101")
+    assert first != second and first == requeued
+    assert first == str(tmp_path / "checkpoints" / "fsa-101")
+
+
 # ---------------------------------------------------------------------------- smoke jobs
 
 

@@ -259,3 +259,28 @@ def test_table_with_two_global_servers() -> None:
     for d in range(3):
         assert f"DC {d}" in text
     assert "servers ranks 14-15 (2)" in text
+
+
+def test_start_up_refuses_settings_that_differ_between_ranks():
+    """Issue #13: one datacenter mixing GPU and CPU workers, or one rank reading another
+    GEOMPI_* value, must be one line at start-up instead of a hang."""
+    from geompi.errors import ConfigError
+    from geompi.runtime import check_same_device, check_same_env
+
+    topo = Topology.plan(7, 2, None, 1)  # dc_sizes [3, 3]: workers 0, 1 and 3, 4
+    rows = [{"env": {"GEOMPI_SYNC": "fsa"}, "device": "cpu"} for _ in range(7)]
+    check_same_env(rows)
+    check_same_device(rows, topo)
+    rows[topo.global_servers[0]]["device"] = "cuda"  # a server's device does not matter
+    check_same_device(rows, topo)
+    w = topo.all_workers
+    mixed = [dict(r) for r in rows]
+    mixed[w[1]] = {**mixed[w[1]], "device": "cuda"}
+    with pytest.raises(ConfigError, match=r"datacenter 0 mixes cpu and cuda workers"):
+        check_same_device(mixed, topo)
+    odd = [dict(r) for r in rows]
+    odd[3] = {"env": {}, "device": "cpu"}
+    with pytest.raises(
+        ConfigError, match=r"GEOMPI_SYNC differs between ranks \(rank 0: 'fsa', rank 3: unset\)"
+    ):
+        check_same_env(odd)

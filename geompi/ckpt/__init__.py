@@ -13,7 +13,14 @@ from __future__ import annotations
 from geompi.ckpt.checksum import _fletcher32
 from geompi.ckpt.cli import main
 from geompi.ckpt.export import EXPORT_SUFFIXES, export
-from geompi.ckpt.files import checkpoint_name, latest, list_checkpoints, prune
+from geompi.ckpt.files import (
+    by_write_order,
+    checkpoint_name,
+    latest,
+    list_checkpoints,
+    prune,
+    remove_stale_temps,
+)
 from geompi.ckpt.format import (
     _CHUNK_BYTES,
     _DIRECT_MIN_BYTES,
@@ -34,6 +41,7 @@ __all__ = [
     "REQUIRED_ATTRS",
     "REQUIRED_GROUPS",
     "Checkpoint",
+    "by_write_order",
     "checkpoint_name",
     "export",
     "fingerprint",
@@ -43,6 +51,7 @@ __all__ = [
     "load_state_dict",
     "main",
     "prune",
+    "remove_stale_temps",
     "save",
     "verify",
 ]

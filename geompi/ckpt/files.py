@@ -7,6 +7,8 @@ import pathlib
 import re
 import secrets
 import socket
+import time
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -40,20 +42,93 @@ def list_checkpoints(directory: str | os.PathLike) -> list[pathlib.Path]:
     return [p for _, p in sorted(found)]
 
 
+def by_write_order(directory: str | os.PathLike) -> list[pathlib.Path]:
+    """Checkpoint files of `directory`, the one written last first (mtime, then step).
+
+    After a resume from an older checkpoint, the files this run writes have lower steps than
+    the abandoned ones: the step in the name does not say which is newest, the write does.
+    """
+
+    def key(p: pathlib.Path) -> tuple[int, int]:
+        try:
+            mtime = p.stat().st_mtime_ns
+        except OSError:
+            mtime = -1
+        return (mtime, int(_CKPT_RE.match(p.name).group(1)))
+
+    return sorted(list_checkpoints(directory), key=key, reverse=True)
+
+
 def latest(directory: str | os.PathLike) -> pathlib.Path | None:
-    """The checkpoint with the highest step in `directory`, or None if there is none."""
-    found = list_checkpoints(directory)
-    return found[-1] if found else None
+    """The checkpoint of `directory` written last, or None if there is none."""
+    found = by_write_order(directory)
+    return found[0] if found else None
 
 
-def prune(directory: str | os.PathLike, keep: int) -> list[pathlib.Path]:
-    """Delete all but the newest `keep` (>= 1) checkpoints of `directory`; return the deleted."""
+def prune(
+    directory: str | os.PathLike, keep: int, lineage: Sequence[os.PathLike] = ()
+) -> list[pathlib.Path]:
+    """Delete all but the newest `keep` (>= 1) checkpoints of `directory`; return the deleted.
+
+    `lineage` (newest first) is what this run wrote and descends from, the file just written
+    first: those rank first and its first file is never deleted; the rest rank by write time.
+    """
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
         raise ValueError(f"keep must be an integer >= 1, not {keep!r}")
-    old = list_checkpoints(directory)[:-keep]
+    present = by_write_order(directory)
+    mine = [pathlib.Path(p) for p in lineage]
+    ranked = [p for p in mine if p in present]
+    ranked += [p for p in present if p not in ranked]
+    old = ranked[keep:][::-1]  # oldest first
     for p in old:
         p.unlink(missing_ok=True)
     return old
+
+
+_TEMP_RE = re.compile(
+    r"^(?:\.ckpt-\d+\.h5\.tmp|\.geompi-write-test)-(?P<host>[A-Za-z0-9._-]+?)-(?P<pid>\d+)-\w+$"
+)
+STALE_TEMP_S = 24 * 3600  # a temporary from another host is left alone for a day
+
+
+def remove_stale_temps(directory: str | os.PathLike) -> list[pathlib.Path]:
+    """Remove the temporaries (``create_temp``) and probes of writers that were killed.
+
+    One from this host goes once its process is gone; one from another host (whose processes
+    cannot be asked) once it is a day old. Returns what was removed.
+    """
+    d = pathlib.Path(directory)
+    if not d.is_dir():
+        return []
+    removed = []
+    now = time.time()
+    for p in d.iterdir():
+        m = _TEMP_RE.match(p.name)
+        if not m or p.is_symlink() or not p.is_file():
+            continue
+        if m.group("host") == _host():
+            stale = not _alive(int(m.group("pid")))
+        else:
+            try:
+                stale = now - p.stat().st_mtime > STALE_TEMP_S
+            except OSError:
+                continue
+        if stale:
+            _remove_quietly(p)
+            removed.append(p)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: it exists, owned by someone else
+        return True
+    return True
 
 
 def _fsync_path(path: pathlib.Path, directory: bool = False) -> None:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import errno
 import json
 import os
 import pathlib
+import re
 import struct
 import threading
 from collections.abc import Mapping
@@ -37,7 +39,7 @@ from geompi.ckpt.format import (
     _geompi_version,
     fingerprint,
 )
-from geompi.errors import CheckpointError
+from geompi.errors import CheckpointError, CheckpointWriteError
 
 # One helper thread prepares (copies and checksums) the next chunk while the current one is written.
 _CHECKSUMS = ThreadPoolExecutor(1, thread_name_prefix="geompi-ckpt-checksum")
@@ -301,6 +303,39 @@ def _int_arg(value: Any, what: str) -> int:
     return int(value)
 
 
+_HDF5_ERRNO = re.compile(r"errno = (\d+)")
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def _size(node: _Node) -> tuple[int, int]:
+    """(payload bytes, datasets) of a tree to write."""
+    nbytes = datasets = 0
+    for child in node.children.values():
+        if isinstance(child, _Node):
+            b, d = _size(child)
+            nbytes, datasets = nbytes + b, datasets + d
+        elif isinstance(child, torch.Tensor):
+            nbytes, datasets = nbytes + child.numel() * child.element_size(), datasets + 1
+        else:
+            nbytes, datasets = nbytes + len(child), datasets + 1
+    return nbytes, datasets
+
+
+def _check_space(directory: pathlib.Path, root: _Node) -> None:
+    """Refuse to start a file the file system cannot hold: HDF5 meeting ENOSPC halfway
+    leaks its objects (errors at deallocation, and a crash when the library shuts down)."""
+    nbytes, datasets = _size(root)
+    need = nbytes + 1024 * datasets + 64 * 1024
+    st = os.statvfs(directory)
+    free = st.f_bavail * st.f_frsize
+    if free < need:
+        raise OSError(
+            errno.ENOSPC,
+            f"{os.strerror(errno.ENOSPC)} ({free / 2**20:.2f} MiB free, the checkpoint needs "
+            f"about {need / 2**20:.2f} MiB)",
+        )
+
+
 def save(
     path: str | os.PathLike,
     *,
@@ -366,6 +401,7 @@ def save(
     fd = -1
     try:
         directory.mkdir(parents=True, exist_ok=True)
+        _check_space(directory, root)
         fd, tmp = create_temp(directory, path.name)  # exclusive: never through a symlink
         with h5py.File(tmp, "w", libver=_LIBVER, track_order=True, **_LOCKING) as f:
             if not same_file(fd, tmp):  # replaced between our create and HDF5's open
@@ -380,11 +416,26 @@ def save(
         os.replace(tmp, path)
         tmp = None
         _fsync_path(directory, directory=True)
-    except OSError as e:
+    except (OSError, RuntimeError) as e:
+        # HDF5 reports a failed write (a full disk) as a RuntimeError from h5py, when the file
+        # is closed: "file write failed: ... errno = 28, error message = '...'".
+        code = _HDF5_ERRNO.search(str(e))
+        if not isinstance(e, OSError) and code is None:
+            _remove_quietly(tmp)
+            raise
         _remove_quietly(tmp)
-        raise CheckpointError(
-            f"cannot write checkpoint to {directory}: {_reason(e)}; pass a writable "
-            "--checkpoint-dir"
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC and e.strerror:
+            reason = e.strerror
+        else:
+            reason = os.strerror(int(code.group(1))) if code else _reason(e)
+        full = (code and int(code.group(1)) in _FULL) or getattr(e, "errno", None) in _FULL
+        fix = (
+            "free some space or pass a writable --checkpoint-dir"
+            if full
+            else ("pass a writable --checkpoint-dir")
+        )
+        raise CheckpointWriteError(
+            f"cannot write checkpoint to {directory}: {reason}; {fix}"
         ) from None
     except BaseException:
         _remove_quietly(tmp)

@@ -19,8 +19,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from geompi.comm.transport import WAN, LinkStats
-from geompi.errors import CommTimeoutError
+from geompi.comm.transport import WAN, LinkStats, Watchdog
 
 # ctrl layout
 VERSION, TICKETS, ALL_DONE, SAVE_REQUEST = 0, 1, 2, 3
@@ -91,7 +90,7 @@ class SlotWindows:
 
     def wait_until(self, ready, what: str) -> np.ndarray:
         """Poll the counters until ``ready(ctrl)``; returns them."""
-        deadline = None if not self.timeout else time.monotonic() + self.timeout
+        watch = Watchdog(self.timeout, f"{what} (from the global server)")
         pause = 2e-5
         t0 = time.perf_counter()
         while True:
@@ -99,11 +98,7 @@ class SlotWindows:
             if ready(ctrl):
                 self.stats.wait_s[WAN] += time.perf_counter() - t0
                 return ctrl
-            if deadline is not None and time.monotonic() > deadline:
-                raise CommTimeoutError(
-                    f"no answer for {self.timeout:g} s from the global server while waiting for "
-                    f"{what}: a rank was lost or is stuck; resume with --resume latest"
-                )
+            watch.check()
             time.sleep(pause)
             pause = min(pause * 2, 2e-3)
 

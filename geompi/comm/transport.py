@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from mpi4py import MPI
 
+from geompi.comm import heartbeat
 from geompi.comm.buffers import Staging, host_view
 from geompi.errors import CommTimeoutError
 
@@ -118,20 +119,52 @@ POLL = os.environ.get("GEOMPI_WAIT", "spin") == "poll"
 
 def wait_for(reqs: list[MPI.Request], timeout: float | None, what: str = "") -> None:
     """``Waitall``, or a polling wait that sleeps between tests (``GEOMPI_WAIT=poll``, for
-    oversubscribed nodes) and raises CommTimeoutError after ``timeout`` seconds."""
+    oversubscribed nodes, or with a timeout) and raises CommTimeoutError once a rank is lost:
+    silent on the heartbeat for ``timeout`` seconds (geompi.comm.heartbeat), or, without a
+    heartbeat, no answer for ``timeout`` seconds."""
     if not timeout and not POLL:
         MPI.Request.Waitall(reqs)
         return
-    deadline = time.monotonic() + timeout if timeout else None
+    watch = Watchdog(timeout, what)
     pause = 1e-5
     while not MPI.Request.Testall(reqs):
-        if deadline is not None and time.monotonic() > deadline:
-            raise CommTimeoutError(
-                f"no answer for {timeout:g} s while waiting for {what or 'a peer'}: a rank was "
-                "lost or is stuck; resume with --resume latest, or raise --comm-timeout"
-            )
+        watch.check()
         time.sleep(pause)
         pause = min(pause * 2, 2e-4 if POLL else 1e-3)
+
+
+class Watchdog:
+    """The one rule for giving up a wait: a rank silent on the heartbeat for ``timeout``
+    seconds is lost (an idle peer is not); without a heartbeat, ``timeout`` seconds without
+    an answer. ``check()`` is cheap: call it from every polling loop."""
+
+    def __init__(self, timeout: float | None, what: str = "") -> None:
+        self.timeout = timeout
+        self.what = what or "a peer"
+        self.deadline = time.monotonic() + timeout if timeout else None
+        self._next = 0.0
+
+    def check(self) -> None:
+        if self.timeout is None or self.deadline is None:
+            return
+        now = time.monotonic()
+        if heartbeat.active():
+            if now < self._next:
+                return
+            self._next = now + 0.05
+            lost = heartbeat.lost(self.timeout)
+            if lost:
+                rank, silent = lost[0]
+                raise CommTimeoutError(
+                    f"no answer for {self.timeout:g} s from rank {rank} (no heartbeat for "
+                    f"{silent:.0f} s) while waiting for {self.what}: that rank was lost or is "
+                    "stuck; resume with --resume latest, or raise --comm-timeout"
+                )
+        elif now > self.deadline:
+            raise CommTimeoutError(
+                f"no answer for {self.timeout:g} s while waiting for {self.what}: a rank was "
+                "lost or is stuck; resume with --resume latest, or raise --comm-timeout"
+            )
 
 
 class Link:

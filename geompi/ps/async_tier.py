@@ -19,6 +19,7 @@ import time
 import numpy as np
 import torch
 
+from geompi.comm import heartbeat
 from geompi.comm.rma import (
     ALL_DONE,
     DONE,
@@ -34,7 +35,7 @@ from geompi.comm.rma import (
     set_per_dc,
 )
 from geompi.comm.topology import Topology
-from geompi.comm.transport import WAN, Requests
+from geompi.comm.transport import WAN, Requests, Watchdog
 from geompi.errors import ConfigError
 from geompi.ps.global_server import GlobalServer
 from geompi.ps.local_server import SyncUplink
@@ -58,6 +59,59 @@ def _open_windows(comm, topo: Topology, keys: list[tuple[int, int]], stats, time
         slot_len = sum(max(4 * m, region_bytes(codec, m)) for m in sizes) // 4
         wins.append(SlotWindows(comm, d + g, d, max(slot_len, 1), stats, timeout))
     return wins
+
+
+class StalenessStats:
+    """Staleness of the applied deposits as a histogram and per-datacenter figures.
+
+    A list of every update grew without bound (about 1 GB a day at the soak's rate) and went
+    to rank 0 as one JSON line. Exact counts up to ``EXACT``, then power-of-two buckets, so
+    the size is bounded by about EXACT + 64 entries.
+    """
+
+    EXACT = 64
+
+    def __init__(self, num_dcs: int) -> None:
+        self.hist: dict[str, int] = {}
+        self.count = [0] * num_dcs
+        self.total = [0] * num_dcs
+        self.max = [0] * num_dcs
+        self.at_first_done: list[int] | None = None
+
+    @classmethod
+    def bucket(cls, s: int) -> str:
+        if s < cls.EXACT:
+            return str(s)
+        lo = 1 << (s.bit_length() - 1)
+        return f"{lo}-{2 * lo - 1}"
+
+    def record(self, dc: int, staleness: int) -> None:
+        b = self.bucket(staleness)
+        self.hist[b] = self.hist.get(b, 0) + 1
+        self.count[dc] += 1
+        self.total[dc] += staleness
+        self.max[dc] = max(self.max[dc], staleness)
+
+    def first_done(self, applied: list[int]) -> None:
+        """The deposits applied per datacenter when the first one finished (once)."""
+        if self.at_first_done is None:
+            self.at_first_done = list(applied)
+
+    def as_dict(self) -> dict:
+        n = sum(self.count)
+        return {
+            "staleness_histogram": dict(
+                sorted(self.hist.items(), key=lambda kv: int(kv[0].split("-")[0]))
+            ),
+            "staleness_updates": n,
+            "max_staleness_seen": max(self.max, default=0),
+            "mean_staleness": sum(self.total) / n if n else 0.0,
+            "staleness_per_dc": [
+                {"updates": c, "mean": t / c if c else 0.0, "max": m}
+                for c, t, m in zip(self.count, self.total, self.max)
+            ],
+            "updates_at_first_done": self.at_first_done or list(self.count),
+        }
 
 
 class AsyncUplink:
@@ -262,11 +316,11 @@ class AsyncGlobalServer(GlobalServer):
                     self.codec.set_replica((k, d), self.values[k])
                 self._pulled(k, d)  # DCASGD: w_bak[d] starts at w0 (also after a resume)
         self.win = self.wins[self.index]
-        self.staleness: list[tuple[int, int, float]] = []  # (dc, staleness, seconds) per update
-        self.t0 = time.perf_counter()
+        self.staleness = StalenessStats(self.topo.num_dcs)  # bounded, however long the run
         self.last_version = [0] * self.topo.num_dcs
         self.applied = [0] * self.topo.num_dcs  # deposits applied per datacenter (this run)
-        self.deposits: list[dict] = []  # applied order: what GEOMPI_TEST_DEPOSIT_LOG writes
+        # applied order: what GEOMPI_TEST_DEPOSIT_LOG writes (kept only then: it grows)
+        self.deposits: list[dict] | None = [] if os.environ.get("GEOMPI_TEST_DEPOSIT_LOG") else None
         self._serve_async()
         self._write_deposit_log()
         if self.final_snapshot:  # every deposit of every datacenter: the same on every owner
@@ -275,7 +329,12 @@ class AsyncGlobalServer(GlobalServer):
     def _serve_async(self) -> None:
         win, ndc = self.win, self.topo.num_dcs
         pause = 2e-5
+        # Deposits may legitimately not come for long (a slowed datacenter): only a heartbeat
+        # can tell that from a lost one, so without one this loop waits as before.
+        timeout = getattr(self, "timeout", None) if heartbeat.active() else None
+        watch = Watchdog(timeout, "deposits from the datacenters")
         while True:
+            watch.check()
             win.lock_self()
             ctrl = win.ctrl.copy()
             win.unlock_self()
@@ -289,7 +348,10 @@ class AsyncGlobalServer(GlobalServer):
                 (per_dc(ctrl, d, PENDING), d) for d in range(ndc) if per_dc(ctrl, d, PENDING) > 0
             )
             if not pending:
-                if all(per_dc(ctrl, d, DONE) for d in range(ndc)):
+                done = [per_dc(ctrl, d, DONE) for d in range(ndc)]
+                if any(done):
+                    self.staleness.first_done(self.applied)
+                if all(done):
                     break
                 time.sleep(pause)
                 pause = min(pause * 2, 1e-3)
@@ -365,9 +427,10 @@ class AsyncGlobalServer(GlobalServer):
             slot[at : at + result.numel()] = result
         win.data_unlock()
         self.stats.received[WAN] += off  # what the deposit brought in (counted here, at the owner)
-        self.staleness.append((d, version - self.last_version[d], time.perf_counter() - self.t0))
+        self.staleness.record(d, version - self.last_version[d])
         ticket = int(per_dc(ctrl, d, PENDING))
-        self.deposits.append({"dc": d, "ticket": ticket, "weight": float(weight), "keys": keys})
+        if self.deposits is not None:
+            self.deposits.append({"dc": d, "ticket": ticket, "weight": float(weight), "keys": keys})
         win.lock_self()
         win.ctrl[VERSION] = version + 1
         set_per_dc(win.ctrl, d, UPDATES, per_dc(win.ctrl, d, UPDATES) + 1)
@@ -414,6 +477,6 @@ class AsyncGlobalServer(GlobalServer):
         ctrl = self.win.ctrl
         return {
             **super().report(),
-            "staleness": self.staleness,
+            **self.staleness.as_dict(),
             "dc_updates": [int(per_dc(ctrl, d, UPDATES)) for d in range(self.topo.num_dcs)],
         }

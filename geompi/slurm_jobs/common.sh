@@ -113,7 +113,10 @@ geompi_setup() {
         export PYTHONPATH="$GEOMPI_SUBMIT_DIR${PYTHONPATH:+:$PYTHONPATH}"
     fi
 
-    GEOMPI_CKPT_DIR=${GEOMPI_CKPT_DIR:-$GEOMPI_SUBMIT_DIR/checkpoints/$GEOMPI_JOB_NAME}
+    # Keyed by job id, not job name: a second `sbatch fsa.sbatch` must neither resume from nor
+    # prune the first job's files. SLURM_JOB_ID is stable across requeues of one job, so a
+    # requeued job resumes from its own directory. Pass GEOMPI_CKPT_DIR to continue another job.
+    GEOMPI_CKPT_DIR=${GEOMPI_CKPT_DIR:-$GEOMPI_SUBMIT_DIR/checkpoints/$GEOMPI_JOB_NAME-${SLURM_JOB_ID:-local}}
     GEOMPI_METRICS=${GEOMPI_METRICS:-$GEOMPI_SUBMIT_DIR/geompi-$GEOMPI_JOB_NAME-metrics.jsonl}
     GEOMPI_CKPT_EVERY_GIVEN=${GEOMPI_CKPT_EVERY:+1}
     GEOMPI_CKPT_EVERY=${GEOMPI_CKPT_EVERY:-50}

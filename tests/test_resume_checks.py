@@ -1,0 +1,103 @@
+"""A checkpoint that verifies must also resume, or be refused before training (issue #13)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from geompi import ckpt
+from geompi.checkpointing import check_resumable
+from geompi.config import make_config
+from geompi.errors import CheckpointError
+
+SHAPES = {"w": torch.Size([3, 2]), "b": torch.Size([3])}
+
+
+def _file(tmp_path, **kw):
+    model = {n: torch.zeros(s) for n, s in SHAPES.items()}
+    args = dict(
+        model=model,
+        optimizer={"momentum_buffer": {n: torch.ones(s) for n, s in SHAPES.items()}},
+        optimizer_attrs={"name": "sgd"},
+        algorithm={"strategy": {"global_syncs": 4}, "global_updates": 4},
+        progress={
+            "data_positions": torch.tensor([[0, 4], [0, 4]]),
+            "steps": torch.tensor([4, 4]),
+            "rng": {f"worker{i}": torch.get_rng_state() for i in range(2)},
+        },
+        step=4,
+        algorithm_name="fsa",
+        topology={"world_size": 5, "dc_sizes": [2, 2], "global_servers": 1, "workers": 2},
+        config={"optimizer": "sgd"},
+    )
+    args.update(kw)
+    return ckpt.load(ckpt.save(tmp_path / "ckpt-00000004.h5", **args))
+
+
+def _check(ck, *flags, workers=2):
+    cfg = make_config(["--momentum", "0.9", *flags])
+    return check_resumable("ck.h5", ck, cfg, SHAPES, workers)
+
+
+def one_line(exc) -> str:
+    msg = str(exc.value)
+    assert "\n" not in msg
+    return msg
+
+
+def test_a_good_checkpoint_passes_and_a_worker_count_change_says_what_it_does(tmp_path):
+    ck = _file(tmp_path)
+    assert _check(ck) == ""
+    note = _check(ck, workers=3)
+    assert "2 workers -> 3" in note and "worker 0's data position" in note
+
+
+def test_another_optimizer_is_refused(tmp_path):
+    with pytest.raises(CheckpointError) as exc:
+        _check(_file(tmp_path), "--optimizer", "adam")
+    assert "holds sgd optimizer state" in one_line(exc) and "--optimizer sgd" in one_line(exc)
+
+
+def test_missing_state_is_refused(tmp_path):
+    ck = _file(tmp_path, optimizer={"exp_avg": {"w": torch.ones(3, 2)}}, optimizer_attrs={})
+    with pytest.raises(CheckpointError) as exc:
+        _check(ck, "--optimizer", "adam")
+    assert "lacks optimizer state exp_avg_sq, step" in one_line(exc)
+
+
+def test_a_one_element_state_tensor_is_refused(tmp_path):
+    opt = {"momentum_buffer": {"w": torch.ones(1), "b": torch.ones(3)}}
+    with pytest.raises(CheckpointError) as exc:
+        _check(_file(tmp_path, optimizer=opt))
+    assert "momentum_buffer/w is a torch.float32 tensor of shape (1,)" in one_line(exc)
+    opt = {"momentum_buffer": {"nope": torch.ones(3), "b": torch.ones(3), "w": torch.ones(3, 2)}}
+    with pytest.raises(CheckpointError) as exc:
+        _check(_file(tmp_path, optimizer=opt))
+    assert "belongs to no parameter" in one_line(exc)
+
+
+@pytest.mark.parametrize(
+    "progress,expect",
+    [
+        ({"data_positions": torch.tensor([0, 4])}, "data_positions is"),
+        ({"data_positions": torch.tensor([[0, -4], [0, 4]])}, "negative"),
+        ({"data_positions": torch.tensor([[0, 4], [0, 4]]), "steps": torch.tensor([4])}, "steps"),
+        (
+            {"data_positions": torch.tensor([[0, 4]]), "rng": {"worker0": torch.zeros(3)}},
+            "rng/worker0",
+        ),
+    ],
+)
+def test_bad_progress_is_refused(tmp_path, progress, expect):
+    with pytest.raises(CheckpointError) as exc:
+        _check(_file(tmp_path, progress=progress))
+    assert expect in one_line(exc)
+
+
+def test_bad_attribute_types_are_refused(tmp_path):
+    with pytest.raises(CheckpointError) as exc:
+        _check(_file(tmp_path, topology={"dc_sizes": "2,2"}))
+    assert "attribute topology" in one_line(exc)
+    with pytest.raises(CheckpointError) as exc:
+        _check(_file(tmp_path, algorithm={"strategy": {"global_syncs": 1.5}}))
+    assert "strategy" in one_line(exc)
