@@ -8,7 +8,6 @@ import time
 from typing import IO, Any
 
 from geompi.errors import ConfigError
-
 from geompi.runtime import say
 
 
