@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 import traceback
 
 from geompi.errors import GeompiError
@@ -46,11 +47,23 @@ def world():
     return MPI.COMM_WORLD
 
 
-def exit_together(err: GeompiError, rank: int) -> None:
-    """For an error every rank raised identically: rank 0 reports it, everyone exits 2."""
+def exit_together(err: GeompiError, rank: int, comm=None) -> None:
+    """For an error every rank raised identically: rank 0 reports it, everyone exits 2.
+
+    The other ranks wait for rank 0's line (a Barrier on ``comm`` where every rank of it is
+    here) and then a moment more: under ``python -m mpi4py`` an exit status of 2 aborts the
+    job, and an early abort elsewhere would kill rank 0 before its line is out.
+    """
     if rank == 0:
         say(PREFIX + str(err))
+    if comm is not None:
+        comm.Barrier()
+    if rank != 0:
+        time.sleep(_LET_RANK0_REPORT_S)
     raise SystemExit(2)
+
+
+_LET_RANK0_REPORT_S = 1.0
 
 
 def agree_or_exit(comm, err: BaseException | None) -> None:
@@ -173,7 +186,7 @@ def start_job(plan, comm=None):
         topo = plan(comm)
         check_same_device(rows, topo)
     except GeompiError as e:
-        exit_together(e, rank)
+        exit_together(e, rank, comm)
     if rank == 0:
         print(topo.table(), flush=True)
     return comm, topo, build_communicators(topo, comm), LinkStats()

@@ -215,7 +215,7 @@ def exit_identically(s: Session, err: GeompiError) -> None:
     from geompi.runtime import exit_together
 
     s.finished = True  # no collective goodbye at exit
-    exit_together(err, s.rank)
+    exit_together(err, s.rank, s.comms.all_workers)
 
 
 def stop_identically(s: Session, err: GeompiError) -> None:

@@ -93,7 +93,7 @@ def configure_threads(comm=None, env: Mapping[str, str] | None = None) -> int:
     try:
         threads, why = choose(mine, local, env)
     except ConfigError as e:  # the same variables on every rank of a job
-        exit_together(e, rank)
+        exit_together(e, rank, comm)
     torch.set_num_threads(threads)
     if rank == 0:
         say(f"geompi: torch threads per rank: {threads} ({why}; set GEOMPI_THREADS to change)")
