@@ -138,16 +138,34 @@ def digits_split(labels: np.ndarray, test_size: int = DIGITS_TEST_SIZE) -> tuple
     return train_idx, test_idx
 
 
-def _load_digits() -> Dataset:
-    try:
+def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """The 1,797 8x8 digits (pixels 0..16) and their labels, from scikit-learn's own copy.
+
+    The CSV file is read directly: importing ``sklearn.datasets`` costs about a second per
+    rank (scipy and more), which a 16-rank start pays 16 times over on a small node.
+    """
+    import importlib.util
+
+    spec = importlib.util.find_spec("sklearn")  # locates the package without importing it
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        csv = Path(root) / "datasets" / "data" / "digits.csv.gz"
+        if csv.is_file():
+            with gzip.open(csv, "rt") as fh:
+                table = np.loadtxt(fh, delimiter=",", dtype=np.float64)
+            return table[:, :-1].reshape(-1, 8, 8), table[:, -1].astype(np.int64)
+    try:  # another layout of scikit-learn: ask it
         from sklearn.datasets import load_digits
     except ImportError as exc:  # pragma: no cover - scikit-learn is a dependency
         raise DataError(
             f"digits: scikit-learn is not importable ({exc}): install scikit-learn"
         ) from None
     bunch = load_digits()
-    x = (bunch.images.astype(np.float32) / 16.0)[:, None, :, :]
-    y = bunch.target.astype(np.int64)
+    return bunch.images, bunch.target.astype(np.int64)
+
+
+def _load_digits() -> Dataset:
+    images, y = _digits_arrays()
+    x = (images.astype(np.float32) / 16.0)[:, None, :, :]
     train_idx, test_idx = digits_split(y)
     return _finish("digits", x[train_idx], y[train_idx], x[test_idx], y[test_idx], 10)
 

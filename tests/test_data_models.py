@@ -66,6 +66,19 @@ def test_digits_split_sizes_and_no_overlap(digits: Dataset) -> None:
     assert digits.y_test.tolist() == bunch.target[test_idx].tolist()
 
 
+def test_digits_loads_without_importing_sklearn() -> None:
+    """Every worker loads the digits at start-up: reading the CSV saves a second per rank."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from geompi.data import load_dataset; ds = load_dataset('digits'); "
+        "print(len(ds.x_train), any(m.startswith('sklearn') for m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["1437", "False"], out.stderr[-2000:]
+
+
 def test_datasets_are_deterministic(digits: Dataset) -> None:
     again = load_dataset("digits", seed=123)  # the digits split ignores the seed
     assert torch.equal(again.x_train, digits.x_train) and torch.equal(again.y_test, digits.y_test)
