@@ -32,7 +32,7 @@ train: setup
 	$(BIN)/mpirun -n $(RANKS) $(BIN)/python -m geompi.train $(ARGS)
 
 test: setup
-	$(BIN)/python -m pytest -q -ra tests
+	$(BIN)/python -m pytest -q -ra --durations=25 tests
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -ra -m "not slurm" tests
