@@ -64,6 +64,7 @@ def exit_together(err: GeompiError, rank: int, comm=None) -> None:
 
 
 _LET_RANK0_REPORT_S = 1.0
+_LET_LINE_OUT_S = 0.3
 
 
 def agree_or_exit(comm, err: BaseException | None) -> None:
@@ -92,6 +93,9 @@ def abort(err: BaseException, code: int = 1) -> None:
     else:
         traceback.print_exception(err)
         say(PREFIX + f"rank {_rank()} failed with {_brief(err)}; aborting every rank")
+    # The line travels to the launcher on the output channel, the abort on another: give the
+    # line a head start, so that it is not lost or printed after Open MPI's abort banner.
+    time.sleep(_LET_LINE_OUT_S)
     try:
         world().Abort(code)
     finally:

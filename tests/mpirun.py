@@ -83,4 +83,6 @@ def read_jsonl(path) -> list[dict]:
 
 
 def error_lines(stderr: str) -> list[str]:
-    return [ln for ln in stderr.splitlines() if ln.startswith("geompi: error:")]
+    """geompi's error lines. Open MPI may interleave its abort banner with a rank's output and
+    leave a blank before the line: that is still one line."""
+    return [ln.strip() for ln in stderr.splitlines() if ln.lstrip().startswith("geompi: error:")]
