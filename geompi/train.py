@@ -26,7 +26,7 @@ import torch
 from geompi.comm import heartbeat
 from geompi.comm.buckets import Buckets
 from geompi.comm.topology import Role, Topology, dc_sizes_from_hosts
-from geompi.comm.transport import LAN, Link, LinkStats
+from geompi.comm.transport import LAN, Link, LinkStats, barrier, live_timeout
 from geompi.config import RunConfig, make_config
 from geompi.errors import ConfigError, GeompiError
 from geompi.layout import check_node_gpus
@@ -474,6 +474,10 @@ def _train(cfg: RunConfig, comm) -> dict | None:
     mine = {"role": role.name, **stats.as_dict()}
     if role is Role.WORKER:
         mine.update(compute_s=result["compute_s"], wall_s=result["wall_s"])
+    # Every rank is here before the gathers, so that a lost one is caught by the watchdog (a
+    # fast MixedSync datacenter may rightly wait long for the others: heartbeat only).
+    last_wait = live_timeout(cfg.comm_timeout and 4 * cfg.comm_timeout)
+    barrier(comm, last_wait, "every rank to finish")
     per_rank = comm.gather(mine, root=0)
     reports = comm.gather(None if role is Role.WORKER else node.report(), root=0)
     summary = None
@@ -524,7 +528,7 @@ def _train(cfg: RunConfig, comm) -> dict | None:
             say(f"geompi: done: {figures}")
     # Beat until every rank is here: one that is done (a fast MixedSync datacenter) must not
     # look lost to one still training.
-    comm.Barrier()
+    barrier(comm, last_wait, "every rank to finish")
     heartbeat.stop()
     comms.free()
     if summary is not None:
