@@ -27,6 +27,7 @@ import torch
 
 from geompi import ckpt
 from geompi.comm.compression import make_compressor
+from geompi.comm.transport import live_timeout, recv_object
 from geompi.errors import CheckpointError, CheckpointWriteError
 from geompi.ps.protocol import TAG_RESTORE, TAG_SNAPSHOT, Op
 from geompi.runtime import say
@@ -401,7 +402,17 @@ class Checkpointing:
     def _receive_snapshots(self) -> list[dict]:
         w = self.w
         return sorted(
-            (w.comms.world.recv(source=gs, tag=TAG_SNAPSHOT) for gs in w.topo.global_servers),
+            (
+                # MixedSync's last snapshot comes once the slowest datacenter is done
+                recv_object(
+                    w.comms.world,
+                    gs,
+                    TAG_SNAPSHOT,
+                    live_timeout(w.client.timeout),
+                    f"the snapshot of global server {gs}",
+                )  # fmt: skip
+                for gs in w.topo.global_servers
+            ),
             key=lambda s: s["index"],
         )
 

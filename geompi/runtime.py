@@ -258,13 +258,18 @@ class StopRequest:
     """SIGTERM/SIGINT/SIGUSR1 set a flag; the training loop agrees on it collectively.
 
     Each step the workers start a nonblocking MAX-allreduce of their flag and complete the
-    previous one, so every worker learns of a signal at the same step without an extra wait.
+    previous one, so every worker learns of a signal at the same step without an extra wait
+    (:meth:`poll`). HFA agrees only at its datacenter rounds instead: :meth:`begin` before the
+    round, :meth:`end` after it, so the agreement rides on the round's wait and a signal is
+    acted on within K1 steps. Waits go through the watchdog (``timeout``, see
+    geompi.comm.transport.wait_for), so a lost worker cannot hang the others here.
     """
 
-    def __init__(self, comm) -> None:
+    def __init__(self, comm, timeout: float | None = None) -> None:
         import numpy as np
 
         self.comm = comm
+        self.timeout = timeout
         self._send = np.zeros(1, dtype=np.int32)
         self._recv = np.zeros(1, dtype=np.int32)
         self._req = None
@@ -273,22 +278,35 @@ class StopRequest:
     def signal_name(self) -> str:
         return signalled()
 
-    def poll(self) -> bool:
-        """Collective over the workers: True once any worker has been signalled."""
+    def begin(self) -> None:
+        """Collective over the workers: start agreeing on this worker's flag as it is now."""
         from mpi4py import MPI
 
-        stop = False
-        if self._req is not None:
-            self._req.Wait()
-            stop = bool(self._recv[0])
+        self._send[0] = 1 if signalled() else 0
+        self._req = self.comm.Iallreduce(self._send, self._recv, MPI.MAX)
+
+    def end(self) -> bool:
+        """Complete the agreement :meth:`begin` started: True if any worker was signalled
+        (False if none was started)."""
+        if self._req is None:
+            return False
+        self._wait()
+        return bool(self._recv[0])
+
+    def poll(self) -> bool:
+        """Collective over the workers: True once any worker has been signalled (one call
+        after the signal, as each call completes the previous one's agreement)."""
+        stop = self.end()
         if not stop:
-            self._send[0] = 1 if signalled() else 0
-            self._req = self.comm.Iallreduce(self._send, self._recv, MPI.MAX)
-        else:
-            self._req = None
+            self.begin()
         return stop
 
     def close(self) -> None:
         if self._req is not None:
-            self._req.Wait()
-            self._req = None
+            self._wait()
+
+    def _wait(self) -> None:
+        from geompi.comm.transport import wait_for
+
+        req, self._req = self._req, None
+        wait_for([req], self.timeout, "the other workers to agree on a stop")

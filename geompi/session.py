@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from geompi.comm import heartbeat
 from geompi.comm.topology import Communicators, Role, Topology
 from geompi.comm.transport import LinkStats
 from geompi.config import RunConfig, make_config
@@ -120,6 +121,7 @@ def init(comm=None, **settings) -> Session:
         configure_threads(comm)  # one share of the node's CPUs per rank (geompi.threads)
     except GeompiError as e:  # pragma: no cover - start_job reports and exits itself
         exit_together(e, 0)
+    heartbeat.start(comm, cfg.comm_timeout)  # so the watchdog can tell idle from lost
     rank = comm.Get_rank()
     _session = Session(cfg, topo, comms, stats, rank)
     if topo.role(rank) is Role.WORKER:
@@ -127,6 +129,7 @@ def init(comm=None, **settings) -> Session:
         atexit.register(_finish_at_exit)
         return _session
     _serve(_session)
+    _stop_heartbeat(_session)
     comms.free()
     sys.exit(0)
 
@@ -206,7 +209,18 @@ def finish() -> None:
         return
     s.send_job({"sync": None}, None)
     s.finished = True
+    _stop_heartbeat(s)
     s.comms.free()
+
+
+def _stop_heartbeat(s: Session) -> None:
+    """Collective over COMM_WORLD at the end: beat until every rank is here, so that none
+    looks lost to one still waiting, then stop."""
+    from geompi.comm.transport import barrier, live_timeout
+
+    if s.cfg.comm_timeout:  # the same on every rank, as every collective's condition must be
+        barrier(s.comms.world, live_timeout(s.cfg.comm_timeout), "every rank to finish")
+    heartbeat.stop()
 
 
 def exit_identically(s: Session, err: GeompiError) -> None:
@@ -215,6 +229,7 @@ def exit_identically(s: Session, err: GeompiError) -> None:
     from geompi.runtime import exit_together
 
     s.finished = True  # no collective goodbye at exit
+    heartbeat.stop()  # no helper thread inside MPI calls while the process exits
     exit_together(err, s.rank, s.comms.all_workers)
 
 

@@ -12,9 +12,11 @@ from geompi.runtime import install_signal_handlers
 if __name__ == "__main__":
     install_signal_handlers()  # before the slow imports: a stop signal at start-up is not fatal
 
+import copy
 import json
 import math
 import os
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -24,7 +26,7 @@ import torch
 from geompi.comm import heartbeat
 from geompi.comm.buckets import Buckets
 from geompi.comm.topology import Role, Topology, dc_sizes_from_hosts
-from geompi.comm.transport import LAN, Link, LinkStats
+from geompi.comm.transport import LAN, Link, LinkStats, barrier, live_timeout
 from geompi.config import RunConfig, make_config
 from geompi.errors import ConfigError, GeompiError
 from geompi.layout import check_node_gpus
@@ -111,6 +113,7 @@ class Worker:
         # Who agrees on stopping and checkpoints together: MixedSync's datacenters stay
         # independent (datacenter 0 alone writes checkpoints); the other algorithms move as one.
         self._nan_at = _fault_nan_at(self.rank)
+        self._signal_at = _fault_signal_at(self.rank)
         mixed = cfg.sync == "mixed"
         self.group = comms.workers if mixed else comms.all_workers
         self.checkpoints = cfg.checkpoint_dir is not None and (not mixed or self.dc == 0)
@@ -188,16 +191,25 @@ class Worker:
         cfg = self.cfg
         self._resume()
         self.stats.reset_time()  # the time split covers the training loop (as wall_s does)
-        stop = StopRequest(self.group)
+        # the workers' watchdog (4x --comm-timeout, as their client's)
+        stop = StopRequest(self.group, cfg.comm_timeout and 4 * cfg.comm_timeout)
         loss_fn = torch.nn.CrossEntropyLoss()
         t_start = time.perf_counter()
         last_progress = t_start
         compute_s = 0.0
         stopping = preempted = False
         saved_at = -1
-        # HFA stops (and checkpoints) only on a global sync, so a resume is exact.
-        period = cfg.k1 * cfg.k2 if cfg.sync == "hfa" else 1
-        mixed = cfg.sync == "mixed"
+        mixed, hfa = cfg.sync == "mixed", cfg.sync == "hfa"
+        # HFA checkpoints only on a global sync, so a resume is exact. It agrees on a stop at
+        # every datacenter round (K1 steps), so a signal is acted on within K1 steps, not
+        # K1*K2: a stop between global syncs rewinds the workers to the last one (each keeps
+        # its state from there) and checkpoints that. Every worker takes the same path, and
+        # no cross-datacenter round is added. Streaming HFA has no such point: it stops as is.
+        period = cfg.k1 * cfg.k2 if hfa else 1
+        streaming = cfg.hfa_fragments > 1 or cfg.hfa_overlap
+        rewind = hfa and cfg.k2 > 1 and not streaming
+        start_step = self.step
+        last_global = self._hfa_state() if rewind else None
         while self.step < self.total_steps:
             t0 = time.perf_counter()
             self.client.step = self.step + 1
@@ -215,10 +227,18 @@ class Worker:
             self.strategy.after_backward()
             if self.local_opt is not None:
                 self.local_opt.step()
+                agreeing = hfa and (self.step + 1) % cfg.k1 == 0
+                agreeing = agreeing and not stopping and self.step + 1 < self.total_steps
+                if agreeing:  # completed after the datacenter round, so it costs no wait
+                    stop.begin()
                 self.strategy.after_step(n)
+                if agreeing:
+                    stopping = stop.end()
             compute_s += dt
             self.step += 1
             self.samples += n
+            if self.step == self._signal_at:  # fault injection for tests (GEOMPI_FAULT_SIGNAL_AT)
+                os.kill(os.getpid(), signal.SIGTERM)
             if log is not None:
                 now = time.perf_counter()
                 log.write({"step": self.step, "loss": loss.item(), "wall_s": now - t_start})
@@ -245,16 +265,22 @@ class Worker:
                 if not last:
                     self._save(log)
                     saved_at = self.step
-            # Agreeing on a stop is a collective over every worker: HFA polls only at its
-            # global syncs, so that no cross-datacenter exchange happens between them.
-            if not stopping and self.step < self.total_steps and self.step % period == 0:
+            if rewind and self.step % period == 0:
+                last_global = self._hfa_state()
+            # Agreeing on a stop is a collective over every worker (HFA's, above, at its
+            # datacenter rounds).
+            if not hfa and not stopping and self.step < self.total_steps:
                 stopping = stop.poll()
-            if stopping and self.step % period == 0:
+            if stopping:
                 preempted = self.step < self.total_steps
                 break
         train_s = time.perf_counter() - t_start  # before waiting for other datacenters
         stop.close()
-        if self.checkpoints and saved_at != self.step and not mixed:
+        stopped_at = self.step
+        if rewind and self.step % period:
+            self._load_hfa_state(last_global)
+        nothing_new = preempted and self.step == start_step and stopped_at != self.step
+        if self.checkpoints and saved_at != self.step and not mixed and not nothing_new:
             self._save(log)
         if not mixed and cfg.wan_settings().compression != "none":
             self.ckpt.global_model()  # the model returned is the global one, not a replica
@@ -268,6 +294,8 @@ class Worker:
             "wall_s": wall,
             "train_s": train_s,
             "preempted": preempted,
+            "stopped_at": stopped_at,  # HFA: "steps" is the last global sync, if earlier
+            "checkpointed": self.checkpoints and not nothing_new,
             "global_syncs": self.strategy.global_syncs,
             "signal": stop.signal_name,
         }
@@ -275,6 +303,30 @@ class Worker:
             acc, tl = evaluate(self.model, self.ds.x_test, self.ds.y_test)
             out.update(test_acc=acc, test_loss=tl)
         return out
+
+    def _hfa_state(self) -> dict:
+        """What a worker must return to, to be back at this global sync (HFA)."""
+        return {
+            "step": self.step,
+            "samples": self.samples,
+            "loader": dict(self.loader.state_dict()),
+            "rng": torch.get_rng_state(),
+            "strategy": self.strategy.state(),
+            "params": [b.params.detach().clone() for b in self.buckets],
+            "optimizer": copy.deepcopy(self.local_opt.state_dict()),
+        }
+
+    def _load_hfa_state(self, st: dict) -> None:
+        """Back to the global sync :meth:`_hfa_state` recorded: the global model (which the
+        global servers still hold), the data position, local optimizer state and counters."""
+        self.step, self.samples = st["step"], st["samples"]
+        self.loader.load_state_dict(st["loader"])
+        torch.set_rng_state(st["rng"])
+        self.strategy.load_state(st["strategy"])
+        with torch.no_grad():
+            for b, p in zip(self.buckets, st["params"]):
+                b.params.copy_(p)
+        self.local_opt.load_state_dict(st["optimizer"])
 
     def _resume(self) -> None:
         """Restore the checkpoint (if any) everywhere, then the INIT round starts the servers."""
@@ -310,6 +362,16 @@ class Worker:
         path = self.ckpt.save(self.step, metrics, final=final)
         if log is not None and path is not None:
             log.write({"step": self.step, "checkpoint": str(path), **metrics})
+
+
+def _fault_signal_at(rank: int) -> int:
+    """``GEOMPI_FAULT_SIGNAL_AT=STEP:RANK``: a test hook that makes that rank send itself
+    SIGTERM once STEP is done, as a scheduler's pre-emption would."""
+    spec = os.environ.get("GEOMPI_FAULT_SIGNAL_AT", "")
+    if not spec:
+        return -1
+    step, _, at_rank = spec.partition(":")
+    return int(step) if int(at_rank or 0) == rank else -1
 
 
 def _fault_nan_at(rank: int) -> int:
@@ -412,6 +474,10 @@ def _train(cfg: RunConfig, comm) -> dict | None:
     mine = {"role": role.name, **stats.as_dict()}
     if role is Role.WORKER:
         mine.update(compute_s=result["compute_s"], wall_s=result["wall_s"])
+    # Every rank is here before the gathers, so that a lost one is caught by the watchdog (a
+    # fast MixedSync datacenter may rightly wait long for the others: heartbeat only).
+    last_wait = live_timeout(cfg.comm_timeout and 4 * cfg.comm_timeout)
+    barrier(comm, last_wait, "every rank to finish")
     per_rank = comm.gather(mine, root=0)
     reports = comm.gather(None if role is Role.WORKER else node.report(), root=0)
     summary = None
@@ -448,15 +514,21 @@ def _train(cfg: RunConfig, comm) -> dict | None:
             wrote = f"checkpoint written{where}"
             if node.ckpt.failed_step == result["steps"]:
                 wrote = f"its checkpoint could NOT be written{where} (see the warning above)"
-            say(
-                f"geompi: preempted by {result['signal']} at step {result['steps']}; {wrote}; "
-                f"{figures}"
-            )
+            elif cfg.checkpoint_dir and not result["checkpointed"]:
+                wrote = "no checkpoint written: no global sync since this run started"
+            at = f"at step {result['steps']}"
+            if result["stopped_at"] != result["steps"]:
+                at += (
+                    f" (stopped at step {result['stopped_at']}, between global syncs: back to "
+                    "the last one)"
+                )
+            by = result["signal"] or "a stop signal to another rank"
+            say(f"geompi: preempted by {by} {at}; {wrote}; {figures}")
         else:
             say(f"geompi: done: {figures}")
     # Beat until every rank is here: one that is done (a fast MixedSync datacenter) must not
     # look lost to one still training.
-    comm.Barrier()
+    barrier(comm, last_wait, "every rank to finish")
     heartbeat.stop()
     comms.free()
     if summary is not None:

@@ -272,3 +272,15 @@ def test_user_errors_are_one_line_and_stop_every_rank(tmp_path, mode, words):
     assert len(lines) == 1 and words in lines[0], res.stderr[-3000:]
     assert "Traceback" not in res.stderr
     assert not list(tmp_path.glob("done-*.json"))
+
+
+def test_init_with_comm_timeout_starts_a_heartbeat_so_idle_workers_are_not_lost():
+    """Issue #13 point 6: ``geompi.init()`` started no heartbeat, so ``comm_timeout`` measured
+    silence and a worker that idled longer than it (evaluating, checkpointing) aborted the
+    job. The heartbeat runs from init() to finish()."""
+    from tests.mpirun import error_lines
+
+    res = mpirun(4, ["-m", "mpi4py", prog("api_idle.py")], 120, check=False)
+    assert res.returncode == 0 and not error_lines(res.stderr), res.stderr[-3000:]
+    out = json.loads([ln for ln in res.stdout.splitlines() if ln.startswith("{")][-1])
+    assert out == {"beating": True, "after_finish": False}, out

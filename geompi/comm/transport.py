@@ -133,6 +133,40 @@ def wait_for(reqs: list[MPI.Request], timeout: float | None, what: str = "") -> 
         pause = min(pause * 2, 2e-4 if POLL else 1e-3)
 
 
+def live_timeout(timeout: float | None) -> float | None:
+    """``timeout`` where a heartbeat tells idle from lost, else None: for waits that may
+    rightly last long (a datacenter still training), which silence alone cannot judge."""
+    return timeout if heartbeat.active() else None
+
+
+def recv_object(comm, source: int, tag: int, timeout: float | None, what: str = ""):
+    """``comm.recv`` of a pickled object, waited on through the watchdog: probe (testing and
+    sleeping) until the message has arrived, then receive it."""
+    if timeout or POLL:
+        watch = Watchdog(timeout, what)
+        pause = 1e-5
+        while not comm.Iprobe(source=source, tag=tag):
+            watch.check()
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+    return comm.recv(source=source, tag=tag)
+
+
+def send_object(comm, obj, dest: int, tag: int, timeout: float | None, what: str = "") -> None:
+    """``comm.send`` of a pickled object, waited on through the watchdog."""
+    wait_for([comm.isend(obj, dest=dest, tag=tag)], timeout, what)
+
+
+def recv_buffer(comm, buf, source: int, tag: int, timeout: float | None, what: str = "") -> None:
+    """``comm.Recv`` into ``buf``, waited on through the watchdog."""
+    wait_for([comm.Irecv(buf, source, tag)], timeout, what)
+
+
+def barrier(comm, timeout: float | None, what: str = "") -> None:
+    """``comm.Barrier()``, waited on through the watchdog."""
+    wait_for([comm.Ibarrier()], timeout, what)
+
+
 class Watchdog:
     """The one rule for giving up a wait: a rank silent on the heartbeat for ``timeout``
     seconds is lost (an idle peer is not); without a heartbeat, ``timeout`` seconds without

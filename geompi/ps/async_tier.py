@@ -35,7 +35,7 @@ from geompi.comm.rma import (
     set_per_dc,
 )
 from geompi.comm.topology import Topology
-from geompi.comm.transport import WAN, Requests, Watchdog
+from geompi.comm.transport import WAN, Requests, Watchdog, live_timeout, recv_object
 from geompi.errors import ConfigError
 from geompi.ps.global_server import GlobalServer
 from geompi.ps.local_server import SyncUplink
@@ -392,7 +392,11 @@ class AsyncGlobalServer(GlobalServer):
         sends = [comm.isend(mine, dest=o, tag=TAG_CUT) for o in others]
         cut = mine
         for o in others:
-            cut = [max(a, b) for a, b in zip(cut, comm.recv(source=o, tag=TAG_CUT))]
+            theirs = recv_object(
+                comm, o, TAG_CUT, live_timeout(getattr(self, "timeout", None)),
+                f"global server {o} to agree on the last snapshot",
+            )  # fmt: skip
+            cut = [max(a, b) for a, b in zip(cut, theirs)]
         for r in sends:
             r.wait()
         return cut

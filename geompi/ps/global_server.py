@@ -8,7 +8,16 @@ import torch
 
 from geompi.comm.buffers import BufferPool
 from geompi.comm.topology import Communicators, Topology
-from geompi.comm.transport import WAN, Link, LinkStats, Requests
+from geompi.comm.transport import (
+    WAN,
+    Link,
+    LinkStats,
+    Requests,
+    live_timeout,
+    recv_buffer,
+    recv_object,
+    send_object,
+)
 from geompi.ps.optim import Piece, ServerOptimizer, outer_step, shard_pieces, spec_from_dict
 from geompi.ps.protocol import (
     FLAG_PRESENCE,
@@ -79,7 +88,9 @@ class GlobalServer:
         if "outer" in spec:
             self.outer = spec["outer"]
         if spec.get("restore"):  # checkpointed state follows from the master worker
-            self._restore = self.world.recv(source=0, tag=TAG_RESTORE)
+            self._restore = recv_object(
+                self.world, 0, TAG_RESTORE, self.timeout, "the checkpointed state to restore"
+            )
 
     def set_layout(self, layout: list, presence_key: int | None) -> None:
         """``[[key, [[name, offset, numel], ...]], ...]``: the parameters of every key, in the
@@ -114,7 +125,10 @@ class GlobalServer:
         rnd, weight, with_spec = agree(headers, list(range(d)), "global tier")
         for ls in with_spec:
             spec_t = torch.empty(int(Round.decode(headers[ls]).spec_len), dtype=torch.uint8)
-            self.link.comm.Recv(spec_t.numpy(), ls, TAG_SPEC)
+            recv_buffer(
+                self.link.comm, spec_t.numpy(), ls, TAG_SPEC, self.timeout,
+                f"the spec from local server {ls}",
+            )  # fmt: skip
             self.configure(json.loads(spec_t.numpy().tobytes()))
         if rnd.op is Op.STOP:
             return None
@@ -239,7 +253,11 @@ class GlobalServer:
         }
 
     def send_snapshot(self) -> None:
-        self.world.send(self.snapshot(), dest=0, tag=TAG_SNAPSHOT)
+        # the master may be waiting for slower datacenters first (MixedSync's last snapshot)
+        send_object(
+            self.world, self.snapshot(), 0, TAG_SNAPSHOT, live_timeout(self.timeout),
+            "the master worker to take a snapshot",
+        )  # fmt: skip
 
     def restore(self, state: dict) -> None:
         """Optimizer and outer state for this shard, re-sliced by the master worker."""

@@ -13,7 +13,7 @@ import torch
 from geompi.comm.buffers import BufferPool, all_finite
 from geompi.comm.linkmodel import Duplex, LinkModel
 from geompi.comm.topology import Communicators, Topology
-from geompi.comm.transport import LAN, WAN, Link, LinkStats, Requests
+from geompi.comm.transport import LAN, WAN, Link, LinkStats, Requests, recv_buffer
 from geompi.errors import NonFiniteError
 from geompi.ps.fragments import fragment_plan, is_global
 from geompi.ps.protocol import (
@@ -277,7 +277,10 @@ class LocalServer:
         if with_spec:
             dc_rank = 1 + self.workers.index(with_spec[0])
             spec_t = torch.empty(int(Round.decode(headers[dc_rank]).spec_len), dtype=torch.uint8)
-            self.lan.comm.Recv(spec_t.numpy(), dc_rank, TAG_SPEC)
+            recv_buffer(
+                self.lan.comm, spec_t.numpy(), dc_rank, TAG_SPEC, self.timeout,
+                f"the spec from the master worker of datacenter {self.dc}",
+            )  # fmt: skip
             spec = spec_t.numpy().tobytes()
         if self.pending:  # an overlapped exchange: its send buffers are reused below
             self.uplink.finish_sends()
