@@ -65,6 +65,12 @@ CASES = {
         {},
         ["--dataset tests.progs.user_factories:raises", "RuntimeError"],
     ),
+    "dataset-factory-differs-by-worker": (
+        4,
+        ["--dataset", "tests.progs.user_factories:unseeded", "--model", "linear"],
+        {},
+        ["other data on worker 1 than on worker 0", "deterministic"],
+    ),
     "missing-mnist": (
         4,
         ["--dataset", "mnist", "--data-dir", "/nonexistent/mnist"],

@@ -137,3 +137,11 @@ def labels_out_of_range(data_dir):
 def shapes_differ(data_dir):
     y = torch.tensor([0, 1] * 4)
     return torch.zeros(8, 1, 2, 2), y, torch.zeros(8, 1, 3, 3), y
+
+
+def unseeded(data_dir):
+    """numpy's fresh generator: other data on every worker."""
+    rng = np.random.default_rng()
+    x = rng.normal(size=(64, 1, 2, 2)).astype(np.float32)
+    y = np.tile(np.arange(2), 32)
+    return x, y, x, y
