@@ -141,6 +141,14 @@ def check_resumable(
     config = ck.attrs.get("config")
     if not isinstance(config, dict):
         bad(f"attribute config is {type(config).__name__}, not a JSON object")
+    # The model: its parameter names and shapes are the fingerprint, checked on reading; the
+    # --model name or pkg.module:factory spec (in /config) tells apart models that share them.
+    written_model = config.get("model")
+    if isinstance(written_model, str) and written_model != cfg.model:
+        bad(
+            f"it was written by --model {written_model} but this run uses --model {cfg.model}",
+            f"resume with --model {written_model}, or start a new --checkpoint-dir",
+        )
     strategy = ck.algorithm.get("strategy", {})
     if not isinstance(strategy, dict) or not all(_is_int(v) for v in strategy.values()):
         bad("/algorithm/strategy holds non-integer counters")

@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 
 from geompi.errors import ConfigError
+from geompi.factory import check_spec, is_spec
 
 SYNCS = ("fsa", "mixed", "hfa")
 ON_NONFINITE = ("abort", "skip")
@@ -128,12 +129,19 @@ class RunConfig:
 
         if self.sync not in SYNCS:
             raise ConfigError(f"unknown --sync {self.sync!r}: choose one of {', '.join(SYNCS)}")
-        if self.model not in MODELS + TEST_MODELS:
-            raise ConfigError(f"unknown --model {self.model!r}: choose one of {', '.join(MODELS)}")
-        if self.dataset not in DATASETS:
-            raise ConfigError(
-                f"unknown --dataset {self.dataset!r}: choose one of {', '.join(DATASETS)}"
-            )
+        for flag, value, names in (
+            ("--model", self.model, MODELS),
+            ("--dataset", self.dataset, DATASETS),
+        ):
+            if not isinstance(value, str):
+                raise ConfigError(f"{flag} {value!r}: give a name or pkg.module:factory string")
+            if is_spec(value):  # imported by the workers that build it (geompi.factory)
+                check_spec(flag, value)
+            elif value not in names + (TEST_MODELS if flag == "--model" else ()):
+                raise ConfigError(
+                    f"unknown {flag} {value!r}: choose one of {', '.join(names)}, or pass "
+                    "pkg.module:factory"
+                )
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(
                 f"unknown --optimizer {self.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}"
@@ -396,12 +404,23 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"nodes: one datacenter per node (default {d.dc_map})",
     )
     m = p.add_argument_group("model and data")
-    m.add_argument("--model", metavar=_one_of(MODELS), help=f"(default {d.model})")
-    m.add_argument("--dataset", metavar=_one_of(DATASETS), help=f"(default {d.dataset})")
+    m.add_argument(
+        "--model",
+        metavar=_one_of(MODELS) + "|MODULE:FACTORY",
+        help="a built-in, or your own: FACTORY(input_shape, num_classes) in MODULE returns a "
+        "torch.nn.Module; MODULE must be importable on every worker, e.g. on PYTHONPATH "
+        f"(default {d.model})",
+    )
+    m.add_argument(
+        "--dataset",
+        metavar=_one_of(DATASETS) + "|MODULE:FACTORY",
+        help="a built-in, or your own: FACTORY(data_dir) returns (x_train, y_train, x_test, "
+        f"y_test[, num_classes]) tensors or arrays (default {d.dataset})",
+    )
     m.add_argument(
         "--data-dir",
-        help="IDX files (mnist, fashion-mnist) or an HDF5 file (hdf5), which need it "
-        "(default none)",
+        help="IDX files (mnist, fashion-mnist) or an HDF5 file (hdf5), which need it; passed "
+        "to a --dataset factory (default none)",
     )
     m.add_argument(
         "--synthetic-size",

@@ -3,6 +3,14 @@
 Every dataset is loaded whole into memory as float32 tensors of shape (N, C, H, W), normalized
 with the training set's per-channel mean and standard deviation. Every user-facing failure is a
 one-line `DataError` (or `ConfigError`) that names the problem and the fix.
+
+``--dataset pkg.module:factory`` loads the user's own data: ``factory(data_dir)`` (``data_dir``
+is ``--data-dir``, or None) returns ``(x_train, y_train, x_test, y_test)`` or ``(x_train,
+y_train, x_test, y_test, num_classes)``, torch tensors or numpy arrays, inputs of shape
+(N, C, H, W), (N, H, W) or (N, F) and integer labels 0..K-1 (K = ``num_classes``, else the
+largest label + 1). It runs on every worker after ``torch.manual_seed(--seed)`` and must return
+the same data on each, as the built-ins do; the result goes through the same checks and
+normalization as theirs (see :func:`user_dataset`).
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from geompi import factory
 from geompi.errors import CheckpointError, ConfigError, DataError
 
 DATASETS = ("digits", "mnist", "fashion-mnist", "hdf5", "synthetic")
@@ -55,7 +64,10 @@ class Dataset:
 def load_dataset(
     name: str, data_dir: str | None = None, *, synthetic_size: int = 4096, seed: int = 0
 ) -> Dataset:
-    """Load dataset `name` (one of DATASETS); mnist, fashion-mnist and hdf5 read `data_dir`."""
+    """Load dataset `name` (one of DATASETS, or a ``module:factory`` spec); mnist,
+    fashion-mnist, hdf5 and factories read `data_dir`."""
+    if factory.is_spec(name):
+        return user_dataset(name, data_dir)
     if name == "digits":
         return _load_digits()
     if name in ("mnist", "fashion-mnist"):
@@ -64,7 +76,94 @@ def load_dataset(
         return _load_hdf5(data_dir)
     if name == "synthetic":
         return _make_synthetic(synthetic_size, seed)
-    raise ConfigError(f"unknown --dataset {name!r}: choose one of {', '.join(DATASETS)}")
+    raise ConfigError(
+        f"unknown --dataset {name!r}: choose one of {', '.join(DATASETS)}, or pass "
+        "pkg.module:factory"
+    )
+
+
+def user_dataset(spec: str, data_dir: str | None = None) -> Dataset:
+    """The dataset of ``--dataset spec``: ``factory(data_dir)``, checked and normalized like a
+    built-in (both splits non-empty, finite inputs, labels within 0..num_classes-1)."""
+    make = factory.resolve("--dataset", spec)
+    out = factory.call("--dataset", spec, make, data_dir, error=DataError)
+    where = f"--dataset {spec}"
+    form = "(x_train, y_train, x_test, y_test[, num_classes])"
+    if not isinstance(out, (tuple, list)) or len(out) not in (4, 5):
+        what = f"a {len(out)}-tuple" if isinstance(out, (tuple, list)) else type(out).__name__
+        raise DataError(f"{where}: the factory returned {what}, not {form}")
+    parts = {}
+    for key, value in zip(("x_train", "y_train", "x_test", "y_test"), out[:4], strict=False):
+        if not isinstance(value, (torch.Tensor, np.ndarray)):
+            raise DataError(
+                f"{where}: {key} is a {type(value).__name__}, not a torch tensor or numpy array: "
+                f"return {form}"
+            )
+        try:
+            parts[key] = torch.as_tensor(value).detach().cpu()
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise DataError(f"{where}: {key} is not numeric: {factory.brief(e)}") from None
+    for split in ("train", "test"):
+        x, y = parts[f"x_{split}"], parts[f"y_{split}"]
+        if x.dim() == 2:
+            x = x[:, None, None, :]
+        elif x.dim() == 3:
+            x = x[:, None, :, :]
+        elif x.dim() != 4:
+            raise DataError(
+                f"{where}: x_{split} has shape {tuple(x.shape)}: use (N, C, H, W), (N, H, W) or "
+                "(N, F)"
+            )
+        if x.is_complex() or not (x.is_floating_point() or x.dtype == torch.bool or _is_int(x)):
+            raise DataError(f"{where}: x_{split} has dtype {x.dtype}: store real numbers")
+        if y.dim() == 2 and y.shape[1] == 1:
+            y = y[:, 0]
+        if y.dim() != 1 or len(y) != len(x):
+            raise DataError(
+                f"{where}: y_{split} has shape {tuple(y.shape)} but x_{split} has {len(x)} "
+                "samples: return one integer label per sample"
+            )
+        if not _is_int(y):
+            raise DataError(
+                f"{where}: y_{split} has dtype {y.dtype}: labels are integer class indices 0..K-1"
+            )
+        parts[f"x_{split}"], parts[f"y_{split}"] = x, y.to(torch.int64)
+    if parts["x_train"].shape[1:] != parts["x_test"].shape[1:]:
+        raise DataError(
+            f"{where}: train samples have shape {tuple(parts['x_train'].shape[1:])} but test "
+            f"samples {tuple(parts['x_test'].shape[1:])}: both splits need the same sample shape"
+        )
+    if len(out) == 5:
+        num_classes = out[4]
+        if not isinstance(num_classes, (int, np.integer)) or isinstance(num_classes, bool):
+            raise DataError(
+                f"{where}: num_classes is {num_classes!r}, not a whole number: return {form}"
+            )
+        num_classes = int(num_classes)
+    else:
+        labels = [parts[k] for k in ("y_train", "y_test") if len(parts[k])]
+        num_classes = max([2] + [int(y.max()) + 1 for y in labels])
+    if not 2 <= num_classes <= MAX_CLASSES:
+        raise DataError(
+            f"{where}: {num_classes} classes: use 2..{MAX_CLASSES} (labels are class indices "
+            "0..K-1)"
+        )
+    return _finish(
+        spec, parts["x_train"], parts["y_train"], parts["x_test"], parts["y_test"], num_classes
+    )
+
+
+def digest(ds: Dataset) -> str:
+    """A checksum of the data (shapes and bytes of both splits), to compare across workers."""
+    crc = 0
+    for t in (ds.x_train, ds.y_train, ds.x_test, ds.y_test):
+        crc = zlib.crc32(repr(tuple(t.shape)).encode(), crc)
+        crc = zlib.crc32(t.contiguous().numpy().tobytes(), crc)
+    return f"{crc:08x}"
+
+
+def _is_int(t: torch.Tensor) -> bool:
+    return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
 
 
 def _finish(

@@ -3,6 +3,12 @@
 
 Every model takes a batch of shape (N, C, H, W) and returns logits of shape (N, num_classes).
 Construction only draws from torch's global generator, so `torch.manual_seed` fixes the weights.
+
+``--model pkg.module:factory`` builds the user's own model instead: ``factory(input_shape,
+num_classes)`` with ``input_shape`` the (C, H, W) of one sample, called like the built-ins
+(after ``torch.manual_seed(--seed)``), must return a ``torch.nn.Module`` with parameters whose
+forward maps (N, C, H, W) to (N, num_classes) logits; :func:`build_model` checks that on a
+batch of zeros before training.
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from geompi import factory
 from geompi.errors import ConfigError
 
 MODELS = ("linear", "mlp", "cnn")
@@ -105,9 +112,15 @@ def _classic_size(size: int) -> int:
 
 
 def build_model(name: str, input_shape: tuple[int, int, int], num_classes: int) -> nn.Module:
-    """Build model `name` (one of MODELS) for inputs of shape (C, H, W) and num_classes logits."""
+    """Build model `name` (one of MODELS, or a ``module:factory`` spec) for inputs of shape
+    (C, H, W) and num_classes logits."""
+    if factory.is_spec(name):
+        return build_user_model(name, input_shape, num_classes)
     if name not in MODELS + TEST_MODELS:
-        raise ConfigError(f"unknown --model {name!r}: choose one of {', '.join(MODELS)}")
+        raise ConfigError(
+            f"unknown --model {name!r}: choose one of {', '.join(MODELS)}, or pass "
+            "pkg.module:factory"
+        )
     channels, height, width = _check_shape(input_shape, num_classes)
     features = channels * height * width
     if name == "linear":
@@ -124,3 +137,42 @@ def build_model(name: str, input_shape: tuple[int, int, int], num_classes: int) 
     if name == "partial":
         return Partial(features, num_classes)
     return CNN((channels, height, width), num_classes)
+
+
+def build_user_model(spec: str, input_shape: tuple[int, int, int], num_classes: int) -> nn.Module:
+    """``factory(input_shape, num_classes)`` from ``--model spec``, checked: an nn.Module with
+    parameters, whose forward gives (2, num_classes) logits for a batch of 2 zero samples (in
+    eval mode and without gradients, so it changes no state and draws no random numbers)."""
+    shape = _check_shape(input_shape, num_classes)
+    classes = int(num_classes)
+    make = factory.resolve("--model", spec)
+    model = factory.call("--model", spec, make, shape, classes)
+    where = f"--model {spec}"
+    if not isinstance(model, nn.Module):
+        raise ConfigError(
+            f"{where}: the factory returned a {type(model).__name__}, not a torch.nn.Module: "
+            "return the model itself"
+        )
+    if next(model.parameters(), None) is None:
+        raise ConfigError(f"{where}: the model has no parameters: there is nothing to train")
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            param = next(model.parameters())  # float32 inputs, as training feeds them
+            out = model(torch.zeros(2, *shape, device=param.device))
+    except Exception as e:  # noqa: BLE001 - the user's forward
+        raise ConfigError(
+            f"{where}: the model's forward fails on a batch of shape {(2, *shape)}: "
+            f"{factory.brief(e)}"
+        ) from None
+    finally:
+        model.train(was_training)
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != (2, classes):
+        got = f"shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ConfigError(
+            f"{where}: the model maps a batch of shape {(2, *shape)} to {got}, not "
+            f"(2, {classes}) logits: the dataset has {classes} classes, so give the last layer "
+            f"{classes} outputs"
+        )
+    return model

@@ -74,6 +74,8 @@ class Worker:
 
     def __init__(self, cfg: RunConfig, topo: Topology, comms, stats: LinkStats) -> None:
         from geompi.data import ShardLoader, load_dataset, shard_indices
+        from geompi.data import digest as data_digest
+        from geompi.factory import is_spec
         from geompi.models import build_model
 
         self.cfg, self.topo, self.comms, self.stats = cfg, topo, comms, stats
@@ -86,6 +88,9 @@ class Worker:
             cfg.dataset, cfg.data_dir, synthetic_size=cfg.synthetic_size, seed=cfg.seed
         )
         self.ds = ds
+        # A factory's data must be the same on every worker, as a built-in's is: compared at
+        # the start of run(), the first collective after start-up.
+        self.data_digest = data_digest(ds) if is_spec(cfg.dataset) else None
         idx = shard_indices(
             len(ds.y_train),
             topo.num_workers,
@@ -189,6 +194,7 @@ class Worker:
         from geompi.data import evaluate
 
         cfg = self.cfg
+        self._check_same_data()
         self._resume()
         self.stats.reset_time()  # the time split covers the training loop (as wall_s does)
         # the workers' watchdog (4x --comm-timeout, as their client's)
@@ -327,6 +333,24 @@ class Worker:
             for b, p in zip(self.buckets, st["params"]):
                 b.params.copy_(p)
         self.local_opt.load_state_dict(st["optimizer"])
+
+    def _check_same_data(self) -> None:
+        """Collective over workers, for a --dataset factory: worker 0 refuses data that differ
+        between workers (the shards would overlap and miss samples). The others go on into
+        the INIT round, which waits for worker 0, so its abort ends them there."""
+        if self.data_digest is None:
+            return
+        from geompi.errors import DataError
+
+        digests = self.comms.all_workers.allgather(self.data_digest)
+        odd = [i for i, d in enumerate(digests) if d != digests[0]]
+        if odd and self.master:
+            raise DataError(
+                f"--dataset {self.cfg.dataset}: the factory returned other data on worker "
+                f"{odd[0]} than on worker 0 ({len(odd)} of {len(digests)} workers differ): make "
+                "it deterministic (torch's generator is seeded with --seed before the call; seed "
+                "numpy or random yourself)"
+            )
 
     def _resume(self) -> None:
         """Restore the checkpoint (if any) everywhere, then the INIT round starts the servers."""

@@ -46,6 +46,31 @@ CASES = {
         ["GEOMPI_WAN_COMPRESSION 'topk:0'", "topk:0.01"],
     ),
     "checkpoint-every-no-dir": (4, ["--checkpoint-every", "5"], {}, ["--checkpoint-dir"]),
+    # --model/--dataset pkg.module:factory: found wrong on the workers, agreed on, one line
+    "model-factory-not-importable": (
+        4,
+        ["--model", "no_such_user_pkg.nets:make"],
+        {},
+        ["cannot import no_such_user_pkg.nets", "PYTHONPATH"],
+    ),
+    "model-factory-wrong-classes": (
+        4,
+        ["--model", "tests.progs.user_factories:wrong_classes"],
+        {},
+        ["not (2, 10) logits", "10 outputs"],
+    ),
+    "dataset-factory-raises": (
+        4,
+        ["--dataset", "tests.progs.user_factories:raises"],
+        {},
+        ["--dataset tests.progs.user_factories:raises", "RuntimeError"],
+    ),
+    "dataset-factory-differs-by-worker": (
+        4,
+        ["--dataset", "tests.progs.user_factories:unseeded", "--model", "linear"],
+        {},
+        ["other data on worker 1 than on worker 0", "deterministic"],
+    ),
     "missing-mnist": (
         4,
         ["--dataset", "mnist", "--data-dir", "/nonexistent/mnist"],

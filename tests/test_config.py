@@ -375,8 +375,12 @@ def test_help_lists_choices_and_defaults():
             continue
         assert action.help and "default" in action.help, f"{action.option_strings}: {action.help}"
     for flag, shown in {
-        "--model": "{linear,mlp,cnn} (default cnn)",
-        "--dataset": "{digits,mnist,fashion-mnist,hdf5,synthetic} (default digits)",
+        "--model": "{linear,mlp,cnn}|MODULE:FACTORY a built-in, or your own: FACTORY("
+        "input_shape, num_classes) in MODULE returns a torch.nn.Module; MODULE must be "
+        "importable on every worker, e.g. on PYTHONPATH (default cnn)",
+        "--dataset": "{digits,mnist,fashion-mnist,hdf5,synthetic}|MODULE:FACTORY a built-in, "
+        "or your own: FACTORY(data_dir) returns (x_train, y_train, x_test, y_test[, "
+        "num_classes]) tensors or arrays (default digits)",
         "--optimizer": "{sgd,adam,adamw,dcasgd} (default sgd)",
         "--sync": "{fsa,mixed,hfa} algorithm (default fsa)",
         "--on-nonfinite": "{abort,skip} on a NaN/Inf gradient (default abort)",

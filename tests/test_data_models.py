@@ -114,7 +114,9 @@ def test_unknown_names_and_missing_data_dir() -> None:
     )
     with pytest.raises(ConfigError) as exc:
         build_model("resnet", (1, 8, 8), 10)
-    assert one_line(exc) == "unknown --model 'resnet': choose one of linear, mlp, cnn"
+    assert one_line(exc) == (
+        "unknown --model 'resnet': choose one of linear, mlp, cnn, or pass pkg.module:factory"
+    )
     for name in ("mnist", "fashion-mnist", "hdf5"):
         with pytest.raises(DataError) as exc:
             load_dataset(name)

@@ -101,3 +101,14 @@ def test_bad_attribute_types_are_refused(tmp_path):
     with pytest.raises(CheckpointError) as exc:
         _check(_file(tmp_path, algorithm={"strategy": {"global_syncs": 1.5}}))
     assert "strategy" in one_line(exc)
+
+
+def test_another_model_spec_with_the_same_shapes_is_refused(tmp_path):
+    # the fingerprint (names and shapes) cannot tell these apart: the recorded --model does
+    ck = _file(tmp_path, config={"optimizer": "sgd", "model": "mypkg.nets:small"})
+    assert _check(ck, "--model", "mypkg.nets:small") == ""
+    with pytest.raises(CheckpointError) as exc:
+        _check(ck, "--model", "mypkg.nets:other")
+    msg = one_line(exc)
+    assert "written by --model mypkg.nets:small but this run uses --model mypkg.nets:other" in msg
+    assert "resume with --model mypkg.nets:small" in msg
