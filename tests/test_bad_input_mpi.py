@@ -2,6 +2,8 @@
 
 import gzip
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -80,10 +82,51 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+# Settings refused by the config check, which every rank runs alike before MPI starts: the
+# path from there (rank 0 prints, every rank exits 2) is exercised under mpirun by the
+# representatives below; the rest call the CLI's main() in this process, one start saved each.
+CONFIG_ONLY = {
+    "k1-zero",
+    "k2-negative",
+    "k1-not-integer",
+    "unknown-optimizer",
+    "unknown-model",
+    "unknown-dataset",
+    "geomx-env-conflict",
+    "batch-size-zero",
+    "nan-lr",
+    "steps-and-epochs",
+    "bad-dc-slowdown",
+    "mixed-sync-conflict",
+    "wan-bandwidth-without-unit",
+    "wan-compression-env",
+    "checkpoint-every-no-dir",
+}
+UNDER_MPIRUN = sorted(set(CASES) - CONFIG_ONLY)  # unknown-sync, unknown-flag, k1-env-zero, ...
+
+
+@pytest.mark.parametrize("name", UNDER_MPIRUN)
 def test_bad_input(name, tmp_path):
     ranks, extra, env, words = CASES[name]
     res = mpirun(ranks, TRAIN + extra, timeout=30, env=env, check=False)
+    _assert_one_clear_error(res, words)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIG_ONLY))
+def test_bad_setting_in_process(name, capsys, monkeypatch):
+    import geompi.train
+
+    _, extra, env, words = CASES[name]
+    for var in ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID"):
+        monkeypatch.delenv(var, raising=False)  # this process is rank 0 of one
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr("sys.excepthook", sys.excepthook)  # main() installs its own
+    with pytest.raises(SystemExit) as exc:
+        geompi.train.main(TRAIN[2:] + extra)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    res = subprocess.CompletedProcess([], exc.value.code, "", err)
     _assert_one_clear_error(res, words)
 
 
@@ -104,7 +147,6 @@ def test_corrupt_dataset_files(tmp_path):
 
 
 def test_without_mpirun_is_a_clear_error_and_help_works():
-    import sys
 
     res = run([sys.executable, *TRAIN], timeout=30)
     _assert_one_clear_error(res, ["mpirun -n 3"])
