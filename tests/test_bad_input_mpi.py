@@ -147,7 +147,6 @@ def test_corrupt_dataset_files(tmp_path):
 
 
 def test_without_mpirun_is_a_clear_error_and_help_works():
-
     res = run([sys.executable, *TRAIN], timeout=30)
     _assert_one_clear_error(res, ["mpirun -n 3"])
     res = run([sys.executable, "-m", "geompi.train", "--help"], timeout=30)
