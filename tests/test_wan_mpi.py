@@ -130,6 +130,18 @@ def test_emulated_wan_costs_at_least_latency_plus_bytes_over_bandwidth(wan, algo
     assert rec[f"{algo}_none_12"]["time_split"]["wan_held_s"] == 0
 
 
+def test_mixedsync_control_operations_are_charged_to_the_emulated_wan(wan):
+    """Beyond its data, each MixedSync update takes the ticket (a Fetch_and_op: a round trip),
+    the deposit's flag (one way) and at least one poll of the counters (a round trip) across
+    the WAN: 5 one-way latencies more than the data's 2 x (40 ms + 4n bytes / 1 MB/s)."""
+    rec, n = wan[1]["record"], wan[1]["numel"]
+    floor = 10 * (2 * (0.040 + 4 * n / 1e6) + 5 * 0.040)
+    split = rec["mixed_wan"]["time_split"]
+    assert split["wan_wait_s"] >= split["wan_held_s"] >= floor, (split, floor)
+    r = rec["mixed_wan"]
+    assert r["wan_bytes"] > r["wan_data_bytes"]  # the control bytes are counted, apart
+
+
 def test_emulated_lan_port_serializes_the_workers_traffic(wan):
     """--lan-bandwidth 8Mbit: datacenter 0's local server takes in 2 workers' pushes and sends
     2 results of 4n bytes each per step, one after the other at 1 MB/s."""

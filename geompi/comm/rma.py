@@ -15,6 +15,7 @@ exclusive lock on itself. Nothing here knows about training.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 from mpi4py import MPI
@@ -63,6 +64,15 @@ class SlotWindows:
         self.win_ctrl = MPI.Win.Create(self.ctrl, 8, comm=comm)
         self._one = np.ones(1, dtype=np.float64)
         self._scratch = np.zeros(_GLOBAL + _PER_DC * num_dcs, dtype=np.float64)
+        # An emulated WAN's charge for a control operation: called with the one-way trips it
+        # takes (a Get or Fetch_and_op is a round trip: 2; a Put made visible by Unlock: 1).
+        self.on_control: Callable[[int], None] | None = None
+
+    def _control(self, nbytes: int, trips: int) -> None:
+        """A control operation moved ``nbytes`` over the WAN in ``trips`` one-way trips."""
+        self.stats.count(WAN, nbytes, control=True)
+        if self.on_control is not None:
+            self.on_control(trips)
 
     # ---- client side ----------------------------------------------------------------------
     def read_ctrl(self) -> np.ndarray:
@@ -70,6 +80,7 @@ class SlotWindows:
         self.win_ctrl.Lock(self.owner, MPI.LOCK_SHARED)
         self.win_ctrl.Get(self._scratch, self.owner)
         self.win_ctrl.Unlock(self.owner)
+        self._control(self._scratch.nbytes, 2)
         return self._scratch.copy()
 
     def deposit(
@@ -84,19 +95,22 @@ class SlotWindows:
         self.win_ctrl.Lock(self.owner, MPI.LOCK_EXCLUSIVE)
         self.win_ctrl.Fetch_and_op(self._one, ticket, self.owner, TICKETS, MPI.SUM)
         self.win_ctrl.Flush(self.owner)
+        self._control(self._one.nbytes + ticket.nbytes, 2)  # the ticket comes back: a round trip
         msg = np.array([ticket[0] + 1, weight, flags, len(keys), *keys], dtype=np.float64)
         self.win_ctrl.Put(msg, self.owner, _dc(dc, PENDING))
         self.win_ctrl.Unlock(self.owner)
+        self._control(msg.nbytes, 1)
 
     def wait_until(self, ready, what: str) -> np.ndarray:
         """Poll the counters until ``ready(ctrl)``; returns them."""
         watch = Watchdog(self.timeout, f"{what} (from the global server)")
         pause = 2e-5
-        t0 = time.perf_counter()
+        t0, held0 = time.perf_counter(), self.stats.held_s[WAN]
         while True:
             ctrl = self.read_ctrl()
-            if ready(ctrl):
-                self.stats.wait_s[WAN] += time.perf_counter() - t0
+            if ready(ctrl):  # an emulated poll's hold is in wait_s already (LinkStats.held)
+                held = self.stats.held_s[WAN] - held0
+                self.stats.wait_s[WAN] += time.perf_counter() - t0 - held
                 return ctrl
             watch.check()
             time.sleep(pause)
@@ -121,6 +135,7 @@ class SlotWindows:
         self.win_ctrl.Lock(self.owner, MPI.LOCK_EXCLUSIVE)
         self.win_ctrl.Put(one, self.owner, index)
         self.win_ctrl.Unlock(self.owner)
+        self._control(one.nbytes, 1)
 
     # ---- owner side -----------------------------------------------------------------------
     def lock_self(self) -> None:

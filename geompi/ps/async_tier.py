@@ -225,6 +225,16 @@ class AsyncUplink:
             self.sync.timeout,
             self.sync.codec,
         )
+        if self.sync.wan is not None:  # the ticket, the polls and the flags cross it too
+            for win in self.wins:
+                win.on_control = self._hold_control
+
+    def _hold_control(self, trips: int) -> None:
+        """An emulated link: a control operation takes ``trips`` one-way latencies (its few
+        bytes take no time worth charging)."""
+        held = trips * self.sync.wan.model.latency
+        time.sleep(held)
+        self.sync.link.stats.held(WAN, held)
 
     def _respect_staleness(self) -> None:
         s = self.max_staleness
