@@ -84,6 +84,27 @@ def test_fragment_plan_balances_whole_keys():
     assert max(per) <= sum(sizes) / 4 + max(sizes), per
 
 
+def test_fragment_plan_has_the_smallest_largest_fragment():
+    """Against every way to cut the keys into F runs (brute force, small cases)."""
+    import itertools
+    import random
+
+    rng = random.Random(0)
+    for _ in range(200):
+        sizes = [rng.choice([1, 3, 40, 400, 1000, 4096]) for _ in range(rng.randint(1, 9))]
+        f = rng.randint(1, 4)
+        keys = list(enumerate(sizes))
+        plan = fragment_plan(keys, f)
+        assert [plan[k] for k, _ in keys] == sorted(plan.values())  # runs, in key order
+        runs = min(f, len(sizes))
+        assert sorted(set(plan.values())) == list(range(runs))  # none empty
+        best = min(
+            max(sum(sizes[a:b]) for a, b in zip((0, *cuts), (*cuts, len(sizes))))
+            for cuts in itertools.combinations(range(1, len(sizes)), runs - 1)
+        )
+        assert max(sum(n for k, n in keys if plan[k] == g) for g in range(runs)) == best
+
+
 def test_schedule_with_one_fragment_is_every_k2th_round():
     assert [r for r in range(1, 13) if is_global(r, 0, 1, 4)] == [4, 8, 12]
     assert [r for r in range(1, 13) if is_global(r, 1, 2, 4)] == [2, 6, 10]

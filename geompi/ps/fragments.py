@@ -9,15 +9,44 @@ from __future__ import annotations
 
 
 def fragment_plan(keys: list[tuple[int, int]], fragments: int) -> dict[int, int]:
-    """Key -> fragment: whole keys, in key order, split into ``fragments`` runs of about equal
-    size (a key goes to the fragment its middle element falls in)."""
-    total = sum(n for _, n in keys)
-    plan, start = {}, 0
-    for key, n in keys:
-        middle = start + n / 2
-        plan[key] = min(fragments - 1, int(middle * fragments / total)) if total else 0
-        start += n
+    """Key -> fragment: whole keys, in key order, split into ``fragments`` runs whose largest is
+    as small as it can be (the peak WAN bytes of a round follow the largest fragment).
+
+    The smallest feasible largest run is found by bisection over a greedy fill; every fragment
+    gets at least one key where there are enough keys.
+    """
+    sizes = [n for _, n in keys]
+    if fragments <= 1 or not sizes:
+        return {key: 0 for key, _ in keys}
+    lo, hi = max(sizes), sum(sizes)
+    while lo < hi:  # the least cap under which a greedy fill needs at most `fragments` runs
+        cap = (lo + hi) // 2
+        if len(_fill(sizes, cap, fragments)) <= fragments:
+            hi = cap
+        else:
+            lo = cap + 1
+    runs = _fill(sizes, lo, fragments)
+    plan, i = {}, 0
+    for f, run in enumerate(runs):
+        for _ in range(run):
+            plan[keys[i][0]] = f
+            i += 1
     return plan
+
+
+def _fill(sizes: list[int], cap: int, fragments: int) -> list[int]:
+    """Greedy runs (their lengths) of at most ``cap`` each, cut early where the keys left are
+    only enough for one each of the fragments left."""
+    runs, total, count = [], 0, 0
+    for i, n in enumerate(sizes):
+        left_keys, left_frags = len(sizes) - i, fragments - len(runs) - 1
+        if count and (total + n > cap or left_keys <= left_frags):
+            runs.append(count)
+            total, count = 0, 0
+        total += n
+        count += 1
+    runs.append(count)
+    return runs
 
 
 def shift(fragment: int, fragments: int, k2: int) -> int:
