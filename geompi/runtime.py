@@ -187,6 +187,7 @@ def start_job(plan, comm=None):
     rows = comm.allgather(rank_settings())  # before validating: a setting may differ by rank
     try:
         check_same_env(rows)
+        check_wait_mode()
         topo = plan(comm)
         check_same_device(rows, topo)
     except GeompiError as e:
@@ -230,6 +231,16 @@ def check_same_env(rows: list[dict]) -> None:
                 f"{k} differs between ranks (rank 0: {_show(vals[0])}, rank {odd}: "
                 f"{_show(vals[odd])}): set the same value on every rank (mpirun -x {k})"
             )
+
+
+def check_wait_mode() -> None:
+    """Raise ConfigError for a GEOMPI_WAIT that is not one of geompi.comm.transport's modes."""
+    from geompi.comm.transport import WAIT_MODES, wait_mode
+    from geompi.errors import ConfigError
+
+    mode = wait_mode()
+    if mode not in WAIT_MODES:
+        raise ConfigError(f"GEOMPI_WAIT={mode!r}: choose one of {', '.join(WAIT_MODES)}")
 
 
 def check_same_device(rows: list[dict], topo) -> None:

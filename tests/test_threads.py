@@ -51,3 +51,21 @@ def test_training_prints_and_uses_the_share():
     assert error_lines(res.stderr) == [
         "geompi: error: GEOMPI_THREADS='0': must be a whole number >= 1"
     ], res.stderr
+
+
+def test_wait_mode_polls_only_where_the_node_is_oversubscribed(monkeypatch):
+    import os
+
+    from geompi.comm.transport import wait_mode
+    from geompi.runtime import check_wait_mode
+
+    cpus = os.cpu_count() or 1
+    assert wait_mode({"OMPI_COMM_WORLD_LOCAL_SIZE": str(cpus + 1)}) == "poll"
+    assert wait_mode({"OMPI_COMM_WORLD_LOCAL_SIZE": str(cpus)}) == "spin"
+    assert wait_mode({"SLURM_NTASKS_PER_NODE": str(4 * cpus)}) == "poll"
+    assert wait_mode({}) == "spin"  # no launcher: one process
+    assert wait_mode({"GEOMPI_WAIT": "spin", "MPI_LOCALNRANKS": str(cpus + 1)}) == "spin"
+    assert wait_mode({"GEOMPI_WAIT": "Poll"}) == "poll"
+    monkeypatch.setenv("GEOMPI_WAIT", "polll")
+    with pytest.raises(ConfigError, match="GEOMPI_WAIT='polll': choose one of auto, spin, poll"):
+        check_wait_mode()
