@@ -203,11 +203,32 @@ def _weighted(params: list[dict], samples: list[int], name: str, group) -> torch
     return sum(params[w][name] * samples[w] for w in group) / sum(samples[w] for w in group)
 
 
+def _fragment_runs(sizes: list[int], fragments: int) -> list[int]:
+    """The fragment of each key, by the rule written out (not geompi's bisection): the least
+    largest run over every way to cut the keys into min(F, keys) runs (brute force), then runs
+    filled in key order up to that size, each leaving a key for every fragment still to come."""
+    import itertools
+
+    runs = min(fragments, len(sizes))
+    cap = min(
+        max(sum(sizes[a:b]) for a, b in zip((0, *cuts), (*cuts, len(sizes))))
+        for cuts in itertools.combinations(range(1, len(sizes)), runs - 1)
+    )
+    out, f, filled = [], 0, 0
+    for i, n in enumerate(sizes):
+        keys_left, fragments_after = len(sizes) - i, runs - 1 - f
+        if filled and (filled + n > cap or keys_left <= fragments_after):
+            f, filled = f + 1, 0
+        out.append(f)
+        filled += n
+    return out
+
+
 def stream_reference(
     dc_sizes: list[int], k1: int, k2: int, fragments: int, overlap: bool, mix: float, steps: int
 ) -> list[dict[str, torch.Tensor]]:
     """An independent simulation of streaming HFA with one key per parameter (keys in reverse
-    parameter order, as backward produces them): fragments by the midpoint rule, fragment f
+    parameter order, as backward produces them): fragments as _fragment_runs cuts them, fragment f
     global at datacenter round r when (r + f*K2//F) % K2 == 0; with overlap, workers get the
     datacenter average at that round and ``mix * global + (1 - mix) * average`` at the next."""
     workers = sum(dc_sizes)
@@ -216,10 +237,7 @@ def stream_reference(
     opts = [hfa_optimizer(m) for m in models]
     names = [n for n, _ in models[0].named_parameters()][::-1]
     sizes = [dict(models[0].named_parameters())[n].numel() for n in names]
-    total, start, frag = sum(sizes), 0, {}
-    for name, n in zip(names, sizes):
-        frag[name] = min(fragments - 1, int((start + n / 2) * fragments / total))
-        start += n
+    frag = dict(zip(names, _fragment_runs(sizes, fragments)))
     loss_fn = nn.CrossEntropyLoss()
     samples, rnd, pending = [0] * workers, 0, {}
     for t in range(steps):
