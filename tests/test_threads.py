@@ -62,7 +62,10 @@ def test_wait_mode_polls_only_where_the_node_is_oversubscribed(monkeypatch):
     cpus = os.cpu_count() or 1
     assert wait_mode({"OMPI_COMM_WORLD_LOCAL_SIZE": str(cpus + 1)}) == "poll"
     assert wait_mode({"OMPI_COMM_WORLD_LOCAL_SIZE": str(cpus)}) == "spin"
-    assert wait_mode({"SLURM_NTASKS_PER_NODE": str(4 * cpus)}) == "poll"
+    assert wait_mode({"SLURM_STEP_TASKS_PER_NODE": str(4 * cpus)}) == "poll"  # srun
+    srun = {"SLURM_STEP_TASKS_PER_NODE": f"{cpus}(x2),{cpus + 3}", "SLURM_NODEID": "2"}
+    assert wait_mode(srun) == "poll" and wait_mode({**srun, "SLURM_NODEID": "1"}) == "spin"
+    assert wait_mode({"SLURM_STEP_TASKS_PER_NODE": "garbage"}) == "spin"
     assert wait_mode({}) == "spin"  # no launcher: one process
     assert wait_mode({"GEOMPI_WAIT": "spin", "MPI_LOCALNRANKS": str(cpus + 1)}) == "spin"
     assert wait_mode({"GEOMPI_WAIT": "Poll"}) == "poll"

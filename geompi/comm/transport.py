@@ -115,25 +115,38 @@ class Requests:
 
 
 WAIT_MODES = ("auto", "spin", "poll")
-_LOCAL_SIZE_VARS = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE")
+_LOCAL_SIZE_VARS = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
+
+
+def local_ranks(env=os.environ) -> int | None:
+    """How many ranks the launcher put on this node: mpirun (Open MPI, MPICH) or srun, whose
+    ``SLURM_STEP_TASKS_PER_NODE`` reads like ``4`` or ``8(x2),3`` (per node, by SLURM_NODEID)."""
+    for var in _LOCAL_SIZE_VARS:
+        if env.get(var, "").isdigit():
+            return int(env[var])
+    per_node: list[int] = []
+    for part in env.get("SLURM_STEP_TASKS_PER_NODE", "").split(","):
+        count, _, times = part.partition("(x")
+        if not count.isdigit() or not (times.rstrip(")").isdigit() or not times):
+            return None
+        per_node += [int(count)] * (int(times.rstrip(")")) if times else 1)
+    node = env.get("SLURM_NODEID", "0")
+    return per_node[int(node)] if node.isdigit() and int(node) < len(per_node) else None
 
 
 def wait_mode(env=os.environ) -> str:
     """How ranks wait on MPI requests: ``spin`` in ``Waitall``, or ``poll`` (test, then sleep).
 
     ``GEOMPI_WAIT=auto`` (the default) polls where the node runs more ranks than it has CPUs,
-    as the launcher tells (``OMPI_COMM_WORLD_LOCAL_SIZE`` and the like): a spinning server
+    as the launcher tells (:func:`local_ranks`): a spinning server
     would take the core a worker needs (FSA on the transformer went from 0.91 to 0.99 of DDP's
     throughput on a 2-core node, bench/throughput_lm.py). Otherwise it spins, as MPI does.
     """
     mode = env.get("GEOMPI_WAIT", "auto").strip().lower() or "auto"
     if mode != "auto":
         return mode
-    for var in _LOCAL_SIZE_VARS:
-        value = env.get(var, "")
-        if value.isdigit():
-            return "poll" if int(value) > (os.cpu_count() or 1) else "spin"
-    return "spin"
+    ranks = local_ranks(env)
+    return "poll" if ranks is not None and ranks > (os.cpu_count() or 1) else "spin"
 
 
 POLL = wait_mode() == "poll"
