@@ -16,6 +16,28 @@ from pathlib import Path
 from geompi.runtime import LOCAL_OPENMPI_ENV
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def install_copy(tmp_path: Path) -> Path:
+    """``pip install --target`` of a copy of the checkout (so the build leaves nothing in the
+    checkout); returns the target directory, to put on PYTHONPATH."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("setup.cfg", "pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src / name)
+    shutil.copytree(REPO / "geompi", src / "geompi", ignore=shutil.ignore_patterns("__pycache__"))
+    site = tmp_path / "site"
+    r = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation"]
+        + ["--target", str(site), str(src)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    return site
+
+
 PROGS = Path(__file__).resolve().parent / "progs"
 BIN = Path(sys.executable).parent
 
