@@ -27,7 +27,7 @@ import torch
 
 from geompi import ckpt
 from geompi.comm.compression import make_compressor
-from geompi.comm.transport import barrier, live_timeout, recv_object
+from geompi.comm.transport import barrier_before_collective, live_timeout, recv_object
 from geompi.errors import CheckpointError, CheckpointWriteError
 from geompi.ps.protocol import TAG_RESTORE, TAG_SNAPSHOT, Op
 from geompi.runtime import say
@@ -326,16 +326,8 @@ class Checkpointing:
             "steps_per_epoch": w.loader.steps_per_epoch,
             "rng": torch.get_rng_state(),
         }
-        self._all_here(w.comms.all_workers, "every worker to record its start")
+        barrier_before_collective(w.comms.all_workers, w.cfg.comm_timeout, "every worker to start")
         self.starts = w.comms.all_workers.gather(mine, root=0)
-
-    def _all_here(self, comm, what: str) -> None:
-        """Before an object collective, which cannot be waited on with a timeout: with
-        ``--comm-timeout``, a barrier through the watchdog, so that a rank lost before it is
-        caught rather than waited for (a busy one is not: the heartbeat shows it alive)."""
-        t = self.w.cfg.comm_timeout
-        if t:  # the same on every rank
-            barrier(comm, live_timeout(4 * t), what)
 
     # ---- saving ---------------------------------------------------------------------------
     def save(self, step: int, metrics: dict, final: bool = False) -> pathlib.Path | None:
@@ -358,7 +350,7 @@ class Checkpointing:
             "rng": torch.get_rng_state(),
             "local": self._local_state(),
         }
-        self._all_here(w.group, "every worker to hand in its checkpoint state")
+        barrier_before_collective(w.group, w.cfg.comm_timeout, "every worker to hand in its state")
         everyone = w.group.gather(mine, root=0)
         self.saved_step = step
         if not w.master:
@@ -619,7 +611,7 @@ class Checkpointing:
                 "steps": ck.progress["steps"].tolist() if "steps" in ck.progress else None,
                 "old": ck.attrs["topology"],
             }
-        self._all_here(w.comms.all_workers, "the master worker to read the checkpoint")
+        barrier_before_collective(w.comms.all_workers, w.cfg.comm_timeout, "the master to read it")
         info = w.comms.all_workers.bcast(info, root=0)
         if info is None:
             return None

@@ -181,10 +181,9 @@ def job_wan(cfg: RunConfig, job: dict):
 def gather_report(s: Session, mine: dict) -> dict | None:
     """Collective over COMM_WORLD at the end of a job: every rank's figures reach the master,
     which returns the job's report (None elsewhere). JSON text, never pickled objects."""
-    if s.cfg.comm_timeout:  # a watched barrier first: an object gather cannot time out
-        from geompi.comm.transport import barrier, live_timeout
+    from geompi.comm.transport import barrier_before_collective
 
-        barrier(s.comms.world, live_timeout(4 * s.cfg.comm_timeout), "every rank to end the job")
+    barrier_before_collective(s.comms.world, s.cfg.comm_timeout, "every rank to end the job")
     everyone = s.comms.world.gather(json.dumps(mine), root=0)
     if everyone is None:
         return None

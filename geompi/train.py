@@ -26,7 +26,7 @@ import torch
 from geompi.comm import heartbeat
 from geompi.comm.buckets import Buckets
 from geompi.comm.topology import Role, Topology, dc_sizes_from_hosts
-from geompi.comm.transport import LAN, Link, LinkStats, barrier, live_timeout
+from geompi.comm.transport import LAN, Link, LinkStats, barrier, live_timeout, worker_timeout
 from geompi.config import RunConfig, make_config
 from geompi.errors import ConfigError, GeompiError
 from geompi.layout import check_node_gpus
@@ -109,8 +109,7 @@ class Worker:
         self.total_steps = self._total_steps()
         self.buckets = Buckets(list(self.model.named_parameters()), int(cfg.bucket_mb * 2**20))
         # Watchdogs are staggered by tier (see geompi.ps.servers): workers wait 4x --comm-timeout.
-        timeout = cfg.comm_timeout and 4 * cfg.comm_timeout
-        self.client = PSClient(Link(comms.dc, LAN, stats), timeout)
+        self.client = PSClient(Link(comms.dc, LAN, stats), worker_timeout(cfg.comm_timeout))
         self.local_opt = None
         self.strategy = self._make_strategy()
         self.step = 0
@@ -197,8 +196,7 @@ class Worker:
         self._check_same_data()
         self._resume()
         self.stats.reset_time()  # the time split covers the training loop (as wall_s does)
-        # the workers' watchdog (4x --comm-timeout, as their client's)
-        stop = StopRequest(self.group, cfg.comm_timeout and 4 * cfg.comm_timeout)
+        stop = StopRequest(self.group, worker_timeout(cfg.comm_timeout))  # as the client's
         loss_fn = torch.nn.CrossEntropyLoss()
         t_start = time.perf_counter()
         last_progress = t_start
@@ -500,7 +498,7 @@ def _train(cfg: RunConfig, comm) -> dict | None:
         mine.update(compute_s=result["compute_s"], wall_s=result["wall_s"])
     # Every rank is here before the gathers, so that a lost one is caught by the watchdog (a
     # fast MixedSync datacenter may rightly wait long for the others: heartbeat only).
-    last_wait = live_timeout(cfg.comm_timeout and 4 * cfg.comm_timeout)
+    last_wait = live_timeout(worker_timeout(cfg.comm_timeout))
     barrier(comm, last_wait, "every rank to finish")
     per_rank = comm.gather(mine, root=0)
     reports = comm.gather(None if role is Role.WORKER else node.report(), root=0)

@@ -202,6 +202,20 @@ def barrier(comm, timeout: float | None, what: str = "") -> None:
     wait_for([comm.Ibarrier()], timeout, what)
 
 
+def worker_timeout(comm_timeout: float | None) -> float | None:
+    """A worker's watchdog: 4x ``--comm-timeout``, above the servers' tiers (geompi.ps.servers),
+    so that the rank nearest a fault reports it."""
+    return comm_timeout and 4 * comm_timeout
+
+
+def barrier_before_collective(comm, comm_timeout: float | None, what: str) -> None:
+    """With ``--comm-timeout``, a watched barrier before an object collective (which cannot be
+    waited on with a timeout): a rank lost before it is caught, a busy one is not (heartbeat
+    only). Nothing without ``--comm-timeout``, which is the same on every rank."""
+    if comm_timeout:
+        barrier(comm, live_timeout(worker_timeout(comm_timeout)), what)
+
+
 class Watchdog:
     """The one rule for giving up a wait: a rank silent on the heartbeat for ``timeout``
     seconds is lost (an idle peer is not); without a heartbeat, ``timeout`` seconds without
