@@ -357,7 +357,7 @@ class Checkpointing:
             return None
         model, optimizer, algorithm = self._assemble(snaps)
         self.saved_model = model
-        algorithm["strategy"] = {k: int(v) for k, v in w.strategy.state().items()}
+        algorithm["strategy"] = {k: int(v) for k, v in w.engine.state().items()}
         algorithm["global_updates"] = int(snaps[0]["updates"])
         if any(m["local"] for m in everyone):
             algorithm["hfa"] = {
@@ -623,11 +623,11 @@ class Checkpointing:
             torch.set_rng_state(mine["rng"])
         if mine["local"] and w.local_opt is not None:
             self._load_local(mine["local"])
-        w.strategy.load_state(info["strategy"])
+        w.engine.load_state(info["strategy"])
         w.step = info["step"]
         if same and info["steps"] is not None:  # MixedSync: each datacenter its own step
             w.step = int(info["steps"][w.widx])
-            w.strategy.global_syncs += w.step - info["step"]
+            w.engine.global_syncs += w.step - info["step"]
         old, new = info["old"], w.topo.describe()
         if old != new:
             self.restore_note = (

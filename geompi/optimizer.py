@@ -27,11 +27,10 @@ import torch
 from geompi.algorithms import FSA, HFA, MixedSync, resolve, server_spec, spec_json
 from geompi.comm.buckets import Buckets
 from geompi.comm.buffers import all_finite
-from geompi.comm.transport import LAN, Link, LinkStats
+from geompi.comm.transport import LAN, Link, LinkStats, worker_timeout
 from geompi.errors import ConfigError, GeompiError, NonFiniteError
 from geompi.ps.client import PSClient
 from geompi.ps.protocol import FLAG_PRESENCE, FLAG_RAW, Op, presence_payload
-from geompi.sync.hfa import uniform_weight
 
 
 def DistributedOptimizer(  # noqa: N802 - a factory named like the class it returns, as Horovod's
@@ -85,13 +84,20 @@ def DistributedOptimizer(  # noqa: N802 - a factory named like the class it retu
         server_spec=server_spec,
         wan=wan,
     )
+    wrap(optimizer, engine)
+    engine.start()
+    return optimizer
+
+
+def wrap(optimizer: torch.optim.Optimizer, engine: Synchronizer) -> torch.optim.Optimizer:
+    """Swap ``optimizer``'s class in place for one whose ``step()`` runs through ``engine``
+    (what DistributedOptimizer and the CLI's training loop both use)."""
     base = type(optimizer)
     optimizer._geompi_base = base  # what server_spec reads after the class swap
     optimizer.__class__ = type(f"Distributed{base.__name__}", (_Distributed, base), {})
     optimizer._patch_step_function()  # torch's step hooks and profiling follow the new class
     _rewrap_scheduler_step(optimizer)
     optimizer._geompi = engine
-    engine.start()
     return optimizer
 
 
@@ -204,6 +210,19 @@ class _Distributed:
     geompi_close = close  # what geompi.session calls, whatever the optimizer defines
 
 
+def layout_spec(buckets: Buckets) -> list:
+    """Every key's parameters, ``[[key, [[name, offset, numel], ...]], ...]``, in the order of
+    the presence vector (what a global server needs to build one optimizer view per piece)."""
+    return [[b.key, [[name, off, p.numel()] for name, p, off in b.members]] for b in buckets]
+
+
+def uniform_weight(client: PSClient) -> float:
+    """GeoMX's uniform weighting for HFA: every datacenter counts the same and, inside one,
+    every worker (its local server divides by its own workers), so a worker weighs 1 / its
+    datacenter's workers. The KVStore's HFA pushes use the same weight."""
+    return 1.0 / (client.link.comm.Get_size() - 1)
+
+
 def synchronized_buffers(model: torch.nn.Module) -> list[torch.Tensor]:
     """The buffers geompi keeps equal on every worker: the floating-point ones in the model's
     state_dict (BatchNorm statistics and the like). Non-persistent buffers (masks, tables
@@ -232,11 +251,16 @@ class Synchronizer:
         passes: int,
         server_spec: dict | None = None,
         wan: dict | None = None,
+        stats: LinkStats | None = None,
+        follow_hyperparameters: bool = True,
     ) -> None:
         self.opt, self.model, self.algo, self.s = optimizer, model, algo, session
         self.server_spec = server_spec
         self.wan = wan or {}
-        self.stats = LinkStats()  # this job's own counters (see report)
+        self.stats = stats or LinkStats()  # this job's own counters (see report)
+        # FSA with the servers' optimizer: send the user's hyperparameters again when they
+        # change (an lr schedule). The CLI's are fixed, and may be DCASGD's, which torch lacks.
+        self.follow_hyperparameters = follow_hyperparameters
         self.report: dict | None = None  # the job's figures, on the master after close()
         self.t_start = time.perf_counter()
         self.max_grad_norm = max_grad_norm
@@ -247,9 +271,9 @@ class Synchronizer:
         self.buckets = Buckets(named, int(bucket_mb * 2**20))
         self.index = {id(p): i for i, p in enumerate(self.params)}
         self.float_buffers = synchronized_buffers(model)
-        cfg = session.cfg
-        timeout = cfg.comm_timeout and 4 * cfg.comm_timeout
-        self.client = PSClient(Link(session.comms.dc, LAN, self.stats), timeout)
+        self.client = PSClient(
+            Link(session.comms.dc, LAN, self.stats), worker_timeout(session.cfg.comm_timeout)
+        )
         device = self.params[0].device if self.params else torch.device("cpu")
         nbuf = sum(b.numel() for b in self.float_buffers)
         # The extra key after the buckets. FSA: [samples, per-parameter "had a gradient",
@@ -332,17 +356,33 @@ class Synchronizer:
     def start(self) -> None:
         """Tell the servers the algorithm, then the INIT round: the master's values for all."""
         self.s.send_job({**self.algo.job(), "wan": self.wan}, self.opt)
-        spec = self.server_spec
-        if self.server_side:
-            from geompi.sync.fsa import layout_spec
+        self.begin()
 
-            spec = {**spec, "layout": layout_spec(self.buckets), "presence_key": self.aux_key}
-        self.init_round(spec)
+    def begin(self, extra_spec: dict | None = None, send_restore=None) -> None:
+        """The INIT round, once the servers know the job. ``extra_spec`` joins the servers'
+        spec; ``send_restore(reqs)`` (the CLI's master, on resume) adds their saved state."""
+        spec = {**(self.server_spec or {}), **(extra_spec or {})}
+        if self.server_side:
+            spec.update(layout=layout_spec(self.buckets), presence_key=self.aux_key)
+        self.init_round(spec, send_restore)
         self.stats.reset_time()  # the report's waits and wall time cover training, not INIT
         self.t_start = time.perf_counter()
 
+    def state(self) -> dict:
+        """The counters a checkpoint keeps (the names are those of the file format)."""
+        out = {"global_syncs": self.global_syncs}
+        if isinstance(self.algo, HFA):
+            out.update(steps=self.steps, dc_rounds=self.dc_rounds, samples=self.hfa_samples)
+        return out
+
+    def load_state(self, state: dict) -> None:
+        self.global_syncs = int(state.get("global_syncs", 0))
+        self.steps = int(state.get("steps", 0))
+        self.dc_rounds = int(state.get("dc_rounds", 0))
+        self.hfa_samples = int(state.get("samples", 0))
+
     @torch.no_grad()
-    def init_round(self, spec: dict | None = None) -> None:
+    def init_round(self, spec: dict | None = None, send_restore=None) -> None:
         """Every worker gets the master worker's parameters and buffers (collective)."""
         import json
 
@@ -368,12 +408,15 @@ class Synchronizer:
             self.client.pull(reqs, self.aux_recv)
         if self.server_side:
             self.client.pull(reqs, self.present_out)
+        if send_restore is not None:
+            send_restore(reqs)
         reqs.wait()
         if self.aux_len:
             self._unpack_buffers(self._buffer_slice(self.aux_recv), 1.0)
 
-    def close(self) -> None:
-        """Release the servers; MixedSync first receives the final global model."""
+    def close(self, report: bool = True) -> None:
+        """Release the servers; MixedSync first receives the final global model. ``report``:
+        then gather the job's figures (collective over COMM_WORLD, servers included)."""
         if self.closed:
             return
         self.closed = True
@@ -386,6 +429,8 @@ class Synchronizer:
             reqs.wait()
         else:
             self.client.stop()
+        if not report:
+            return
         from geompi.session import gather_report
 
         wall = time.perf_counter() - self.t_start
@@ -467,6 +512,8 @@ class Synchronizer:
         """FSA with the optimizer on the servers: the user's hyperparameters (an lr schedule)
         travel with the next round whenever they changed, so the servers follow them."""
         if not (self.master and self.server_side and isinstance(self.algo, FSA)):
+            return None
+        if not self.follow_hyperparameters:
             return None
         now = spec_json(server_spec(self.opt, "FSA(optimizer='servers')"))
         if now == self.sent_spec:

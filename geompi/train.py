@@ -24,14 +24,12 @@ from collections.abc import Sequence
 import torch
 
 from geompi.comm import heartbeat
-from geompi.comm.buckets import Buckets
 from geompi.comm.topology import Role, Topology, dc_sizes_from_hosts
-from geompi.comm.transport import LAN, Link, LinkStats, barrier, live_timeout, worker_timeout
+from geompi.comm.transport import LAN, LinkStats, barrier, live_timeout, worker_timeout
 from geompi.config import RunConfig, make_config
 from geompi.errors import ConfigError, GeompiError
 from geompi.layout import check_node_gpus
 from geompi.metrics import MetricsLog
-from geompi.ps.client import PSClient
 from geompi.ps.optim import make_spec, spec_to_dict, torch_optimizer
 from geompi.ps.servers import make_server
 from geompi.runtime import (
@@ -107,11 +105,10 @@ class Worker:
         self.device = worker_device(comms.workers)
         self.model = build_model(cfg.model, ds.input_shape, ds.num_classes).to(self.device)
         self.total_steps = self._total_steps()
-        self.buckets = Buckets(list(self.model.named_parameters()), int(cfg.bucket_mb * 2**20))
-        # Watchdogs are staggered by tier (see geompi.ps.servers): workers wait 4x --comm-timeout.
-        self.client = PSClient(Link(comms.dc, LAN, stats), worker_timeout(cfg.comm_timeout))
-        self.local_opt = None
-        self.strategy = self._make_strategy()
+        self.opt, self.engine = self._make_optimizer()
+        self.buckets = self.engine.buckets
+        self.client = self.engine.client  # this worker's link to its local server
+        self.local_opt = self.opt if cfg.sync == "hfa" else None  # its state is per worker
         self.step = 0
         self.samples = 0
         # Who agrees on stopping and checkpoints together: MixedSync's datacenters stay
@@ -148,15 +145,38 @@ class Worker:
             steps = math.ceil(steps / period) * period
         return steps
 
-    def _make_strategy(self):
+    def _make_optimizer(self):
+        """The CLI's optimizer, run as a user's would be: a ``torch.optim`` optimizer wrapped
+        by the public API's engine (geompi.optimizer), with the algorithm the flags name.
+
+        FSA and MixedSync step on the global servers (GeoMX's placement), from the flags' spec,
+        which may be DCASGD: the workers' optimizer is then only the handle ``step()`` goes
+        through. HFA's is each worker's inner optimizer.
+        """
+        from geompi import algorithms
+        from geompi.optimizer import Synchronizer, wrap
+        from geompi.session import Session
+
         cfg = self.cfg
         lr = cfg.effective_lr
-        common = dict(master=self.master)
-        if cfg.sync in ("fsa", "mixed"):
-            from geompi.sync.fsa import FSA
-            from geompi.sync.mixed import MixedSync
-
-            spec = make_spec(
+        if cfg.sync == "hfa":
+            algo = algorithms.HFA(
+                k1=cfg.k1,
+                k2=cfg.k2,
+                weighting=cfg.hfa_weighting,
+                outer_optimizer=cfg.outer_optimizer,
+                outer_lr=cfg.outer_lr,
+                reset_optimizer=cfg.hfa_reset_optimizer,
+                fragments=cfg.hfa_fragments,
+                overlap=cfg.hfa_overlap,
+                mix=cfg.hfa_mix,
+            )
+            opt = _local_optimizer(cfg, self.model.parameters())
+            spec = {"outer": algo.outer()}
+        elif cfg.sync in ("fsa", "mixed"):
+            algo = algorithms.FSA(optimizer="servers") if cfg.sync == "fsa" else None
+            algo = algo or algorithms.MixedSync(max_staleness=cfg.max_staleness)
+            server = make_spec(
                 cfg.optimizer,
                 lr,
                 cfg.effective_momentum,
@@ -165,28 +185,24 @@ class Worker:
                 cfg.dcasgd_lambda,
                 cfg.dcasgd_adaptive,
             )
-            cls = FSA if cfg.sync == "fsa" else MixedSync
-            s = cls(
-                self.client, self.buckets, spec=_spec_bytes(optimizer=spec_to_dict(spec)), **common
-            )
-            s.attach(self.topo.num_global_servers)
-            return s
-        if cfg.sync == "hfa":
-            from geompi.sync.hfa import HFA
-
-            self.local_opt = _local_optimizer(cfg, self.model.parameters())
-            outer = {"name": cfg.outer_optimizer, "lr": cfg.outer_lr}
-            return HFA(
-                self.client,
-                self.buckets,
-                spec=_spec_bytes(outer=outer),
-                k1=cfg.k1,
-                k2=cfg.k2,
-                uniform=cfg.hfa_weighting == "uniform",
-                reset_optimizer=self.local_opt if cfg.hfa_reset_optimizer else None,
-                **common,
-            )
-        raise ConfigError(f"unknown --sync {cfg.sync!r}")
+            opt = torch.optim.SGD(self.model.parameters(), lr=lr)  # stepped on the servers
+            spec = {"optimizer": spec_to_dict(server)}
+        else:
+            raise ConfigError(f"unknown --sync {cfg.sync!r}")
+        session = Session(cfg, self.topo, self.comms, self.stats, self.rank, self.device)
+        engine = Synchronizer(
+            opt,
+            self.model,
+            algo,
+            session,
+            bucket_mb=cfg.bucket_mb,
+            max_grad_norm=None,
+            passes=1,
+            server_spec=spec,
+            stats=self.stats,
+            follow_hyperparameters=False,
+        )
+        return wrap(opt, engine), engine
 
     # ---- the loop -------------------------------------------------------------------------
     def run(self, log: MetricsLog | None) -> dict:
@@ -220,24 +236,24 @@ class Worker:
             x, y = self.loader.next_batch()
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             n = len(y)
-            self.strategy.before_backward(n)
-            if self.local_opt is not None:
-                self.local_opt.zero_grad(set_to_none=True)
+            self.opt.zero_grad(set_to_none=True)
+            self.opt.set_batch_size(n)
+            waited = self.stats.wait_s[LAN]
             loss = loss_fn(self.model(x), y)
             if self.step + 1 == self._nan_at:  # fault injection for tests (GEOMPI_FAULT_NAN_AT)
                 loss = loss * float("nan")
-            loss.backward()
-            dt = time.perf_counter() - t0
-            self.strategy.after_backward()
-            if self.local_opt is not None:
-                self.local_opt.step()
-                agreeing = hfa and (self.step + 1) % cfg.k1 == 0
-                agreeing = agreeing and not stopping and self.step + 1 < self.total_steps
-                if agreeing:  # completed after the datacenter round, so it costs no wait
-                    stop.begin()
-                self.strategy.after_step(n)
-                if agreeing:
-                    stopping = stop.end()
+            loss.backward()  # FSA, MixedSync: the round completes as backward ends
+            # compute: forward and backward, less the wait for the round at backward's end
+            dt = time.perf_counter() - t0 - (self.stats.wait_s[LAN] - waited)
+            # HFA agrees on a stop at its datacenter rounds, completed after the round (in
+            # step()), so it costs no wait
+            agreeing = hfa and self.engine.average_due
+            agreeing = agreeing and not stopping and self.step + 1 < self.total_steps
+            if agreeing:
+                stop.begin()
+            self.opt.step()
+            if agreeing:
+                stopping = stop.end()
             compute_s += dt
             self.step += 1
             self.samples += n
@@ -288,7 +304,7 @@ class Worker:
             self._save(log)
         if not mixed and cfg.wan_settings().compression != "none":
             self.ckpt.global_model()  # the model returned is the global one, not a replica
-        self.strategy.finish()  # MixedSync: every worker receives the final global model
+        self.engine.close(report=False)  # MixedSync: every worker receives the final model
         if self.checkpoints and mixed:
             self._save(log, final=True)
         wall = time.perf_counter() - t_start
@@ -300,7 +316,7 @@ class Worker:
             "preempted": preempted,
             "stopped_at": stopped_at,  # HFA: "steps" is the last global sync, if earlier
             "checkpointed": self.checkpoints and not nothing_new,
-            "global_syncs": self.strategy.global_syncs,
+            "global_syncs": self.engine.global_syncs,
             "signal": stop.signal_name,
         }
         if self.master:
@@ -315,7 +331,7 @@ class Worker:
             "samples": self.samples,
             "loader": dict(self.loader.state_dict()),
             "rng": torch.get_rng_state(),
-            "strategy": self.strategy.state(),
+            "strategy": self.engine.state(),
             "params": [b.params.detach().clone() for b in self.buckets],
             "optimizer": copy.deepcopy(self.local_opt.state_dict()),
         }
@@ -326,7 +342,7 @@ class Worker:
         self.step, self.samples = st["step"], st["samples"]
         self.loader.load_state_dict(st["loader"])
         torch.set_rng_state(st["rng"])
-        self.strategy.load_state(st["strategy"])
+        self.engine.load_state(st["strategy"])
         with torch.no_grad():
             for b, p in zip(self.buckets, st["params"]):
                 b.params.copy_(p)
@@ -354,6 +370,7 @@ class Worker:
         """Restore the checkpoint (if any) everywhere, then the INIT round starts the servers."""
         info = self.ckpt.distribute() if self.cfg.resume else None
         send = None
+        extra = {}
         if self.master:
             if info is not None:
                 from geompi.checkpointing import say_resumed
@@ -361,18 +378,14 @@ class Worker:
                 say_resumed(self.resume_path, info["step"], self.ckpt.restore_note)
             elif self.cfg.resume:
                 say(f"geompi: no checkpoint in {self.cfg.checkpoint_dir} yet; starting fresh")
-            extra = {}
             if self.ckpt.server_states() is not None:
                 extra["restore"] = True
                 send = self.ckpt.send_server_states
             if self.cfg.sync == "mixed" and self.cfg.checkpoint_dir:
                 extra["final_snapshot"] = True  # for the checkpoint written after finish()
-            if extra:
-                spec = {**json.loads(self.strategy.spec), **extra}
-                self.strategy.spec = json.dumps(spec, sort_keys=True).encode()
         if self.cfg.sync == "mixed" and self.cfg.checkpoint_dir:
             self.ckpt.record_starts()
-        self.strategy.start(send_restore=send)
+        self.engine.begin(extra, send_restore=send)
 
     def _save(self, log: MetricsLog | None, final: bool = False) -> None:
         from geompi.data import evaluate
@@ -419,10 +432,6 @@ def worker_device(workers_comm) -> torch.device:
     local.Free()
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
-
-
-def _spec_bytes(**parts) -> bytes:
-    return json.dumps(parts, sort_keys=True).encode()
 
 
 def _local_optimizer(cfg: RunConfig, params) -> torch.optim.Optimizer:
