@@ -37,9 +37,9 @@ __all__ = [
 
 # Names resolved on first use, so ``import geompi`` stays light (no MPI, no h5py) until needed.
 _LAZY = {
-    "FSA": "geompi.algorithms",
-    "HFA": "geompi.algorithms",
-    "MixedSync": "geompi.algorithms",
+    "FSA": "geompi.sync",
+    "HFA": "geompi.sync",
+    "MixedSync": "geompi.sync",
     "DistributedOptimizer": "geompi.optimizer",
     "DistributedSampler": "geompi.sampler",
     "save": "geompi.state",
@@ -48,10 +48,10 @@ _LAZY = {
 _SUBMODULES = ("kv", "optim", "ckpt", "train", "comm", "ps", "sync", "config", "errors", "data")
 
 if TYPE_CHECKING:  # pragma: no cover
-    from geompi.algorithms import FSA, HFA, MixedSync
     from geompi.optimizer import DistributedOptimizer
     from geompi.sampler import DistributedSampler
     from geompi.state import load, save
+    from geompi.sync import FSA, HFA, MixedSync
 
 
 def __getattr__(name: str):

@@ -74,10 +74,11 @@ def checkpoint_bytes(model: torch.nn.Module, cfg, num_workers: int, num_dcs: int
     tensors = list(model.state_dict().values())
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     states = len(expected_state_names(cfg) - {"step"})
-    copies = 1 + states * (num_workers if cfg.sync == "hfa" else 1)
+    local = cfg.algorithm.local_steps  # HFA: every worker's own optimizer state
+    copies = 1 + states * (num_workers if local else 1)
     if cfg.optimizer == "dcasgd":
         copies += num_dcs
-    if cfg.sync == "hfa":
+    if local:
         copies += 1  # the outer momentum
     datasets = len(tensors) * (1 + copies)
     rng = torch.get_rng_state().numel() * num_workers
@@ -158,7 +159,7 @@ def check_resumable(
     # The optimizer: its name, then the state each parameter needs (a missing exp_avg is a
     # KeyError at the first update, hours after the start).
     local = ck.algorithm.get("hfa", {}).get("local", {})
-    if cfg.sync == "hfa":
+    if cfg.algorithm.local_steps:
         written = config.get("optimizer") if local else None
         states = {}
         for worker, st in local.items():
@@ -398,7 +399,7 @@ class Checkpointing:
             path,
             model=model,
             optimizer=optimizer,
-            optimizer_attrs={"name": cfg.optimizer if cfg.sync != "hfa" else "none"},
+            optimizer_attrs={"name": "none" if cfg.algorithm.local_steps else cfg.optimizer},
             algorithm=algorithm,
             progress=progress,
             step=step,

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field, fields
 from geompi.errors import ConfigError
 from geompi.factory import check_spec, is_spec
 
-SYNCS = ("fsa", "mixed", "hfa")
+SYNCS = ("fsa", "mixed", "hfa")  # --sync's choices: geompi.sync.REGISTRY's names
 ON_NONFINITE = ("abort", "skip")
 
 
@@ -93,10 +93,18 @@ class RunConfig:
 
     @property
     def effective_momentum(self) -> float:
-        """0.9, but 0.5 for MixedSync: asynchrony already adds implicit momentum."""
+        """0.9, but 0.5 where datacenters run apart (MixedSync): asynchrony already adds
+        implicit momentum."""
         if self.momentum is not None:
             return self.momentum
-        return 0.5 if self.sync == "mixed" else 0.9
+        return 0.5 if self.algorithm.independent_dcs else 0.9
+
+    @property
+    def algorithm(self):
+        """The algorithm ``--sync`` names, with these flags' settings (geompi.sync)."""
+        from geompi import sync
+
+        return sync.from_config(self)
 
     def wan_settings(self):
         """The emulated links and WAN compressor (raises ConfigError on a bad value)."""
@@ -146,7 +154,7 @@ class RunConfig:
             raise ConfigError(
                 f"unknown --optimizer {self.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}"
             )
-        if self.optimizer == "dcasgd" and self.sync == "hfa":
+        if self.optimizer == "dcasgd" and self.algorithm.local_steps:
             raise ConfigError(
                 "--optimizer dcasgd runs at the global server of --sync mixed (or fsa): "
                 "use --sync mixed, or another --optimizer with hfa"
@@ -158,8 +166,8 @@ class RunConfig:
             raise ConfigError(f"--lr {self.lr}: the learning rate must be a finite number > 0")
         if not (math.isfinite(self.outer_lr) and self.outer_lr > 0):
             raise ConfigError(f"--outer-lr {self.outer_lr}: must be a finite number > 0")
-        if self.sync == "hfa":
-            from geompi.algorithms import check_streaming
+        if self.sync == "hfa":  # its flags: the other algorithms take none of them
+            from geompi.sync.hfa import check_streaming
 
             check_streaming(self.hfa_fragments, self.hfa_overlap, self.hfa_mix, self.k2)
             if (self.hfa_fragments > 1 or self.hfa_overlap) and self.checkpoint_dir:
@@ -211,8 +219,8 @@ class RunConfig:
         if (self.checkpoint_every or self.resume == "latest") and not self.checkpoint_dir:
             flag = "--checkpoint-every" if self.checkpoint_every else "--resume latest"
             raise ConfigError(f"{flag} needs --checkpoint-dir DIR")
-        period = self.k1 * self.k2
-        if self.sync == "hfa" and self.checkpoint_every % period:
+        period = self.algorithm.period()
+        if self.checkpoint_every % period:
             lo = max(period, self.checkpoint_every // period * period)
             raise ConfigError(
                 f"--checkpoint-every {self.checkpoint_every} is not a multiple of K1*K2 = {period}:"

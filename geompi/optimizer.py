@@ -24,13 +24,13 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from geompi.algorithms import FSA, HFA, MixedSync, resolve, server_spec, spec_json
 from geompi.comm.buckets import Buckets
 from geompi.comm.buffers import all_finite
 from geompi.comm.transport import LAN, Link, LinkStats, worker_timeout
 from geompi.errors import ConfigError, GeompiError, NonFiniteError
 from geompi.ps.client import PSClient
 from geompi.ps.protocol import FLAG_PRESENCE, FLAG_RAW, Op, presence_payload
+from geompi.sync import FSA, HFA, Algorithm, MixedSync, resolve
 
 
 def DistributedOptimizer(  # noqa: N802 - a factory named like the class it returns, as Horovod's
@@ -119,7 +119,7 @@ def _validate(optimizer, model, sync, s, bucket_mb, max_grad_norm, passes, wan) 
     from geompi.session import job_wan
 
     compression = job_wan(s.cfg, {"wan": wan}).compression  # parses (and checks) every setting
-    if isinstance(algo, FSA) and not algo.on_servers and compression != "none":
+    if not algo.on_servers and not algo.local_steps and compression != "none":
         raise ConfigError(
             "WAN compression with FSA's worker-side optimizer is not supported yet: "
             "use geompi.FSA(optimizer='servers'), 'hfa' or 'mixed' with compression, or drop "
@@ -139,13 +139,7 @@ def _validate(optimizer, model, sync, s, bucket_mb, max_grad_norm, passes, wan) 
                 f"parameter {name} is {p.dtype}: geompi synchronizes fp32 parameters; keep "
                 "the model in fp32 and use torch.autocast for bf16/fp16 compute"
             )
-    if isinstance(algo, MixedSync):
-        return {"optimizer": spec_json(algo.spec(optimizer))}
-    if isinstance(algo, FSA) and algo.on_servers:
-        return {"optimizer": spec_json(server_spec(optimizer, "FSA(optimizer='servers')"))}
-    if isinstance(algo, HFA):
-        return {"outer": algo.outer()}
-    return None
+    return algo.server_spec(optimizer)
 
 
 def _rewrap_scheduler_step(optimizer: torch.optim.Optimizer) -> None:
@@ -243,7 +237,7 @@ class Synchronizer:
         self,
         optimizer: torch.optim.Optimizer,
         model: torch.nn.Module,
-        algo: FSA | HFA | MixedSync,
+        algo: Algorithm,
         session,
         *,
         bucket_mb: float,
@@ -258,9 +252,9 @@ class Synchronizer:
         self.server_spec = server_spec
         self.wan = wan or {}
         self.stats = stats or LinkStats()  # this job's own counters (see report)
-        # FSA with the servers' optimizer: send the user's hyperparameters again when they
-        # change (an lr schedule). The CLI's are fixed, and may be DCASGD's, which torch lacks.
-        self.follow_hyperparameters = follow_hyperparameters
+        # The servers' optimizer follows the user's hyperparameters (an lr schedule) where the
+        # algorithm allows it. The CLI's are fixed, and may be DCASGD's, which torch lacks.
+        self.follow_hyperparameters = follow_hyperparameters and algo.follows_hyperparameters
         self.report: dict | None = None  # the job's figures, on the master after close()
         self.t_start = time.perf_counter()
         self.max_grad_norm = max_grad_norm
@@ -282,6 +276,8 @@ class Synchronizer:
         # key instead, per parameter 1 from each worker with a gradient, one copy per global
         # server (geompi.sync.fsa); its layout travels in the INIT spec.
         self.server_side = algo.on_servers
+        # FSA's default placement: every worker steps on the global gradient
+        self.grads_to_workers = not algo.on_servers and not algo.local_steps
         g = session.topo.num_global_servers
         self.present_g = torch.zeros(g, len(self.params))  # in the layout's (bucket) order
         self.layout_pos = {
@@ -292,9 +288,9 @@ class Synchronizer:
         self.sent_spec = (server_spec or {}).get("optimizer")
         if self.server_side:
             self.aux_len = 0
-        elif isinstance(algo, FSA):
+        elif self.grads_to_workers:
             self.aux_len = 1 + len(self.params) + nbuf
-        elif isinstance(algo, HFA):
+        elif algo.local_steps:
             self.aux_len = nbuf
         else:
             self.aux_len = 0
@@ -350,7 +346,7 @@ class Synchronizer:
             off += n
 
     def _buffer_slice(self, t: torch.Tensor) -> torch.Tensor:
-        return t[1 + len(self.params) :] if isinstance(self.algo, FSA) else t
+        return t[1 + len(self.params) :] if self.grads_to_workers else t
 
     # ---- start and end --------------------------------------------------------------------
     def start(self) -> None:
@@ -371,7 +367,7 @@ class Synchronizer:
     def state(self) -> dict:
         """The counters a checkpoint keeps (the names are those of the file format)."""
         out = {"global_syncs": self.global_syncs}
-        if isinstance(self.algo, HFA):
+        if self.algo.local_steps:
             out.update(steps=self.steps, dc_rounds=self.dc_rounds, samples=self.hfa_samples)
         return out
 
@@ -422,7 +418,7 @@ class Synchronizer:
         self.closed = True
         if self.average_due:
             self._average_now()
-        if isinstance(self.algo, MixedSync):
+        if self.algo.independent_dcs:  # the datacenters end apart: the model at the end
             reqs = self.client.start(Op.STOP, self.buckets.keys)
             for b in self.buckets:
                 self.client.pull(reqs, b.params)
@@ -463,7 +459,7 @@ class Synchronizer:
             self.synced = False  # new gradients: the previous exchange is spent
             self.passes_done += 1
             counts = self.no_sync_depth == 0 and self.passes_done >= self.passes
-            if counts and isinstance(self.algo, HFA):
+            if counts and self.algo.local_steps:
                 self.window_closes = True
             elif counts:
                 self._begin_round()
@@ -511,11 +507,9 @@ class Synchronizer:
     def _changed_spec(self) -> bytes | None:
         """FSA with the optimizer on the servers: the user's hyperparameters (an lr schedule)
         travel with the next round whenever they changed, so the servers follow them."""
-        if not (self.master and self.server_side and isinstance(self.algo, FSA)):
+        if not (self.master and self.server_side and self.follow_hyperparameters):
             return None
-        if not self.follow_hyperparameters:
-            return None
-        now = spec_json(server_spec(self.opt, "FSA(optimizer='servers')"))
+        now = self.algo.server_spec(self.opt)["optimizer"]
         if now == self.sent_spec:
             return None
         import json
@@ -546,7 +540,7 @@ class Synchronizer:
     @torch.no_grad()
     def _finish_round(self) -> None:
         self._issue(complete_only=False)  # parameters without a gradient here push zeros
-        fsa = isinstance(self.algo, FSA) and not self.server_side  # the workers step
+        fsa = self.grads_to_workers
         if fsa:
             self.aux_send[0] = self.weight
             self.aux_send[1 : 1 + len(self.params)].copy_(self.present)
@@ -581,7 +575,7 @@ class Synchronizer:
 
     def synchronize(self) -> None:
         """Complete the gradient exchange of this step now, on every worker (FSA, MixedSync)."""
-        if isinstance(self.algo, HFA) or self.synced:
+        if self.algo.local_steps or self.synced:
             return
         if self.in_backward:
             raise ConfigError("synchronize() was called inside backward: call it after")
@@ -610,7 +604,7 @@ class Synchronizer:
                     "step()"
                 )
             )
-        if isinstance(self.algo, HFA):
+        if self.algo.local_steps:
             return self._hfa_step(local_step)
         self.synchronize()
         if self.server_side:

@@ -136,7 +136,7 @@ def init(comm=None, **settings) -> Session:
 
 def _serve(s: Session) -> None:
     """A server rank: wait for the workers' job spec, then serve it until they are done."""
-    from geompi.ps.servers import make_server
+    from geompi import sync
     from geompi.runtime import abort
 
     cfg = s.cfg
@@ -146,17 +146,14 @@ def _serve(s: Session) -> None:
             return
         stats = LinkStats()  # per job: the report covers this DistributedOptimizer only
         try:
-            server = make_server(
-                job["sync"],
+            server = sync.from_job(job).make_server(
                 s.topo,
                 s.comms,
                 stats,
-                k2=int(job.get("k2", 1)),
                 on_nonfinite=cfg.on_nonfinite,
                 timeout=cfg.comm_timeout,
-                max_staleness=job.get("max_staleness", cfg.max_staleness),
+                max_staleness=cfg.max_staleness,
                 wan=job_wan(cfg, job),
-                streaming=job.get("streaming"),
             )
             server.run()
         except Exception as e:  # noqa: BLE001 - one line, then every rank stops

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
+from geompi import sync
 from geompi.comm import heartbeat
 from geompi.comm.topology import Role, Topology, dc_sizes_from_hosts
 from geompi.comm.transport import LAN, LinkStats, barrier, live_timeout, worker_timeout
@@ -30,8 +31,6 @@ from geompi.config import RunConfig, make_config
 from geompi.errors import ConfigError, GeompiError
 from geompi.layout import check_node_gpus
 from geompi.metrics import MetricsLog
-from geompi.ps.optim import make_spec, spec_to_dict, torch_optimizer
-from geompi.ps.servers import make_server
 from geompi.runtime import (
     StopRequest,
     abort,
@@ -70,13 +69,13 @@ def plan_topology(cfg: RunConfig, comm) -> Topology:
 class Worker:
     """One training process: its data shard, its model replica and the chosen algorithm."""
 
-    def __init__(self, cfg: RunConfig, topo: Topology, comms, stats: LinkStats) -> None:
+    def __init__(self, cfg: RunConfig, algo, topo: Topology, comms, stats: LinkStats) -> None:
         from geompi.data import ShardLoader, load_dataset, shard_indices
         from geompi.data import digest as data_digest
         from geompi.factory import is_spec
         from geompi.models import build_model
 
-        self.cfg, self.topo, self.comms, self.stats = cfg, topo, comms, stats
+        self.cfg, self.algo, self.topo, self.comms, self.stats = cfg, algo, topo, comms, stats
         self.rank = comms.world.Get_rank()
         self.master = self.rank == 0
         self.widx = topo.worker_index(self.rank)
@@ -108,16 +107,16 @@ class Worker:
         self.opt, self.engine = self._make_optimizer()
         self.buckets = self.engine.buckets
         self.client = self.engine.client  # this worker's link to its local server
-        self.local_opt = self.opt if cfg.sync == "hfa" else None  # its state is per worker
+        self.local_opt = self.opt if algo.local_steps else None  # its state is per worker
         self.step = 0
         self.samples = 0
         # Who agrees on stopping and checkpoints together: MixedSync's datacenters stay
         # independent (datacenter 0 alone writes checkpoints); the other algorithms move as one.
         self._nan_at = _fault_nan_at(self.rank)
         self._signal_at = _fault_signal_at(self.rank)
-        mixed = cfg.sync == "mixed"
-        self.group = comms.workers if mixed else comms.all_workers
-        self.checkpoints = cfg.checkpoint_dir is not None and (not mixed or self.dc == 0)
+        apart = algo.independent_dcs
+        self.group = comms.workers if apart else comms.all_workers
+        self.checkpoints = cfg.checkpoint_dir is not None and (not apart or self.dc == 0)
         self._prepare_checkpoints()
 
     def _prepare_checkpoints(self) -> None:
@@ -140,62 +139,24 @@ class Worker:
             steps = cfg.steps
         else:
             steps = max(1, math.ceil((cfg.epochs or 30) * self.loader.steps_per_epoch))
-        if cfg.sync == "hfa":  # whole global rounds, so training ends on the global model
-            period = cfg.k1 * cfg.k2
-            steps = math.ceil(steps / period) * period
-        return steps
+        period = self.algo.period()  # whole global rounds: training ends on the global model
+        return math.ceil(steps / period) * period
 
     def _make_optimizer(self):
         """The CLI's optimizer, run as a user's would be: a ``torch.optim`` optimizer wrapped
-        by the public API's engine (geompi.optimizer), with the algorithm the flags name.
-
-        FSA and MixedSync step on the global servers (GeoMX's placement), from the flags' spec,
-        which may be DCASGD: the workers' optimizer is then only the handle ``step()`` goes
-        through. HFA's is each worker's inner optimizer.
-        """
-        from geompi import algorithms
+        by the public API's engine (geompi.optimizer), for the algorithm the flags name (its
+        ``cli_optimizer`` says which optimizer, and what the servers are told)."""
         from geompi.optimizer import Synchronizer, wrap
         from geompi.session import Session
 
-        cfg = self.cfg
-        lr = cfg.effective_lr
-        if cfg.sync == "hfa":
-            algo = algorithms.HFA(
-                k1=cfg.k1,
-                k2=cfg.k2,
-                weighting=cfg.hfa_weighting,
-                outer_optimizer=cfg.outer_optimizer,
-                outer_lr=cfg.outer_lr,
-                reset_optimizer=cfg.hfa_reset_optimizer,
-                fragments=cfg.hfa_fragments,
-                overlap=cfg.hfa_overlap,
-                mix=cfg.hfa_mix,
-            )
-            opt = _local_optimizer(cfg, self.model.parameters())
-            spec = {"outer": algo.outer()}
-        elif cfg.sync in ("fsa", "mixed"):
-            algo = algorithms.FSA(optimizer="servers") if cfg.sync == "fsa" else None
-            algo = algo or algorithms.MixedSync(max_staleness=cfg.max_staleness)
-            server = make_spec(
-                cfg.optimizer,
-                lr,
-                cfg.effective_momentum,
-                cfg.weight_decay,
-                cfg.nesterov,
-                cfg.dcasgd_lambda,
-                cfg.dcasgd_adaptive,
-            )
-            opt = torch.optim.SGD(self.model.parameters(), lr=lr)  # stepped on the servers
-            spec = {"optimizer": spec_to_dict(server)}
-        else:
-            raise ConfigError(f"unknown --sync {cfg.sync!r}")
-        session = Session(cfg, self.topo, self.comms, self.stats, self.rank, self.device)
+        opt, spec = self.algo.cli_optimizer(self.cfg, self.model.parameters())
+        session = Session(self.cfg, self.topo, self.comms, self.stats, self.rank, self.device)
         engine = Synchronizer(
             opt,
             self.model,
-            algo,
+            self.algo,
             session,
-            bucket_mb=cfg.bucket_mb,
+            bucket_mb=self.cfg.bucket_mb,
             max_grad_norm=None,
             passes=1,
             server_spec=spec,
@@ -219,15 +180,14 @@ class Worker:
         compute_s = 0.0
         stopping = preempted = False
         saved_at = -1
-        mixed, hfa = cfg.sync == "mixed", cfg.sync == "hfa"
+        mixed, hfa = self.algo.independent_dcs, self.algo.local_steps
         # HFA checkpoints only on a global sync, so a resume is exact. It agrees on a stop at
         # every datacenter round (K1 steps), so a signal is acted on within K1 steps, not
         # K1*K2: a stop between global syncs rewinds the workers to the last one (each keeps
         # its state from there) and checkpoints that. Every worker takes the same path, and
         # no cross-datacenter round is added. Streaming HFA has no such point: it stops as is.
-        period = cfg.k1 * cfg.k2 if hfa else 1
-        streaming = cfg.hfa_fragments > 1 or cfg.hfa_overlap
-        rewind = hfa and cfg.k2 > 1 and not streaming
+        period = self.algo.period()
+        rewind = hfa and self.algo.k2 > 1 and not self.algo.streaming
         start_step = self.step
         last_global = self._hfa_state() if rewind else None
         while self.step < self.total_steps:
@@ -381,9 +341,9 @@ class Worker:
             if self.ckpt.server_states() is not None:
                 extra["restore"] = True
                 send = self.ckpt.send_server_states
-            if self.cfg.sync == "mixed" and self.cfg.checkpoint_dir:
+            if self.algo.independent_dcs and self.cfg.checkpoint_dir:
                 extra["final_snapshot"] = True  # for the checkpoint written after finish()
-        if self.cfg.sync == "mixed" and self.cfg.checkpoint_dir:
+        if self.algo.independent_dcs and self.cfg.checkpoint_dir:
             self.ckpt.record_starts()
         self.engine.begin(extra, send_restore=send)
 
@@ -434,14 +394,6 @@ def worker_device(workers_comm) -> torch.device:
     return torch.device("cuda", index)
 
 
-def _local_optimizer(cfg: RunConfig, params) -> torch.optim.Optimizer:
-    """HFA's per-worker optimizer, from the same spec a global server would use."""
-    spec = make_spec(
-        cfg.optimizer, cfg.effective_lr, cfg.effective_momentum, cfg.weight_decay, cfg.nesterov
-    )
-    return torch_optimizer(spec, params)
-
-
 def train(cfg: RunConfig, comm=None) -> dict | None:
     """Run one job on ``comm`` (default MPI.COMM_WORLD). Collective: every rank must call it.
 
@@ -465,8 +417,9 @@ def _train(cfg: RunConfig, comm) -> dict | None:
     role = topo.role(rank)
     node = log = err = None
     try:
+        algo = sync.from_config(cfg)
         if role is Role.WORKER:
-            node = Worker(cfg, topo, comms, stats)
+            node = Worker(cfg, algo, topo, comms, stats)
             if rank == 0:
                 log = MetricsLog(cfg.metrics, cfg.tensorboard)
                 log.write(
@@ -478,22 +431,15 @@ def _train(cfg: RunConfig, comm) -> dict | None:
                     }
                 )
         else:
-            node = make_server(
-                cfg.sync,
+            node = algo.make_server(
                 topo,
                 comms,
                 stats,
-                k2=cfg.k2,
                 on_nonfinite=cfg.on_nonfinite,
                 timeout=cfg.comm_timeout,
                 max_staleness=cfg.max_staleness,
                 slowdown=cfg.dc_slowdown,
                 wan=cfg.wan_settings(),
-                streaming={
-                    "fragments": cfg.hfa_fragments,
-                    "overlap": cfg.hfa_overlap,
-                    "mix": cfg.hfa_mix,
-                },
             )
     except Exception as e:  # noqa: BLE001 - reported collectively below
         err = e

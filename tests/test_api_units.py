@@ -7,9 +7,10 @@ import pytest
 import torch
 
 import geompi
-from geompi.algorithms import FSA, HFA, MixedSync, resolve, server_spec
 from geompi.errors import ConfigError
-from geompi.ps.optim import DCASGD, SGD, Adam, AdamW
+from geompi.ps.optim import DCASGD, SGD, Adam, AdamW, spec_to_dict
+from geompi.sync import FSA, HFA, MixedSync, resolve
+from geompi.sync.fsa import server_spec
 
 
 def test_plain_import_gives_kv_and_optim_like_mxnet():
@@ -72,8 +73,8 @@ def test_server_spec_reads_the_users_optimizer():
         lr=1e-3, betas=(0.8, 0.9)
     )
     assert isinstance(server_spec(torch.optim.AdamW(p), "X"), AdamW)
-    d = MixedSync(dcasgd=True, dcasgd_lambda=0.1).spec(torch.optim.SGD(p, lr=0.3))
-    assert d == DCASGD(lr=0.3, lam=0.1)
+    d = MixedSync(dcasgd=True, dcasgd_lambda=0.1).server_spec(torch.optim.SGD(p, lr=0.3))
+    assert d == {"optimizer": spec_to_dict(DCASGD(lr=0.3, lam=0.1))}
     with pytest.raises(ConfigError, match="got RMSprop"):
         server_spec(torch.optim.RMSprop(p), "MixedSync")
     with pytest.raises(ConfigError, match="amsgrad|got Adam"):
@@ -81,7 +82,7 @@ def test_server_spec_reads_the_users_optimizer():
     with pytest.raises(ConfigError, match="one param group"):
         server_spec(torch.optim.SGD([{"params": p}, {"params": [torch.zeros(1)]}], lr=1), "M")
     with pytest.raises(ConfigError, match="without momentum"):
-        MixedSync(dcasgd=True).spec(torch.optim.SGD(p, lr=0.3, momentum=0.9))
+        MixedSync(dcasgd=True).server_spec(torch.optim.SGD(p, lr=0.3, momentum=0.9))
 
 
 @pytest.mark.parametrize(

@@ -68,7 +68,7 @@ def test_resume_sends_each_worker_only_its_own_local_optimizer_state():
         cfg=SimpleNamespace(comm_timeout=None),  # no watchdog: no barrier before the bcast
         comms=SimpleNamespace(all_workers=comm),
         loader=SimpleNamespace(load_state_dict=lambda st: None),
-        strategy=SimpleNamespace(load_state=lambda st: None, global_syncs=0),
+        engine=SimpleNamespace(load_state=lambda st: None, global_syncs=0),
         local_opt=object(),
     )
     c = Checkpointing.__new__(Checkpointing)

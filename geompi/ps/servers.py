@@ -1,4 +1,4 @@
-"""Build the server a rank plays, for the chosen algorithm."""
+"""Build the server a rank plays, from the settings an algorithm chooses (no algorithm names)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ from geompi.ps.local_server import LocalServer, SyncUplink
 from geompi.ps.wan import TierCodec, WanSettings
 
 
-def make_server(
-    sync: str,
+def build_server(
     topo: Topology,
     comms: Communicators,
     stats: LinkStats,
     *,
+    asynchronous: bool = False,
     k2: int = 1,
     on_nonfinite: str = "abort",
     timeout: float | None = None,
@@ -24,11 +24,13 @@ def make_server(
     wan: WanSettings | None = None,
     streaming: dict | None = None,
 ) -> LocalServer | GlobalServer:
-    """The LocalServer or GlobalServer of this rank; MixedSync's use the one-sided global tier.
+    """The LocalServer or GlobalServer of this rank. The algorithms (geompi.sync) choose the
+    settings: ``asynchronous`` puts the one-sided global tier in (MixedSync's), ``k2`` is how
+    many datacenter rounds make one global round, ``streaming`` (``fragments``, ``overlap`` and
+    ``mix``, see LocalServer) syncs the model in fragments.
 
     ``wan`` emulates the links (at the local servers, which own their datacenter's WAN link)
-    and sets the global tier's compression (on both tiers' servers). ``streaming`` (HFA):
-    ``fragments``, ``overlap`` and ``mix`` of streaming HFA (see LocalServer).
+    and sets the global tier's compression (on both tiers' servers).
     """
     rank = comms.world.Get_rank()
     role = topo.role(rank)
@@ -36,7 +38,7 @@ def make_server(
     compressor = wan.compressor()
     codec = TierCodec(compressor) if compressor.name != "none" else None
     if role is Role.GLOBAL_SERVER:  # staggered: the local servers' watchdog speaks first
-        cls = AsyncGlobalServer if sync == "mixed" else GlobalServer
+        cls = AsyncGlobalServer if asynchronous else GlobalServer
         return cls(comms, topo, stats, timeout=timeout and 2 * timeout, codec=codec)
     if role is not Role.LOCAL_SERVER:
         raise ValueError(f"rank {rank} is a worker, not a server")
@@ -47,17 +49,17 @@ def make_server(
     uplink = SyncUplink(
         Link(comms.glob, WAN, stats), topo, timeout and 3 * timeout + 0.5 * dc, wan.wan, codec
     )
-    if sync == "mixed":
+    if asynchronous:
         uplink = AsyncUplink(uplink, topo, dc, max_staleness)
     return LocalServer(
         comms,
         topo,
         stats,
-        k2=k2 if sync == "hfa" else 1,
+        k2=k2,
         on_nonfinite=on_nonfinite,
         timeout=timeout,
         uplink=uplink,
         slowdown=(slowdown or {}).get(dc, 1.0),
         lan_model=wan.lan,
-        **(streaming or {} if sync == "hfa" else {}),
+        **(streaming or {}),
     )

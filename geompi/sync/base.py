@@ -1,0 +1,74 @@
+"""The interface every synchronization algorithm implements.
+
+An algorithm is a small frozen dataclass of its settings. It says what its workers do (the
+worker-side engine, geompi.optimizer, reads the class attributes below) and builds the server
+each server rank plays (``make_server``, from the generic round engine in geompi.ps). Nothing
+else in geompi tests an algorithm's name: the registry (geompi.sync) maps names to classes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import ClassVar
+
+import torch
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """What every algorithm provides; the subclasses hold its settings."""
+
+    name: ClassVar[str] = "base"
+    # The user's optimizer steps on each worker between synchronizations, which average
+    # parameters (HFA), rather than once per step on synchronized gradients.
+    local_steps: ClassVar[bool] = False
+    # The datacenters do not move together (MixedSync): each stops, checkpoints and ends at
+    # its own pace, and the global servers hand out the final model when all are done.
+    independent_dcs: ClassVar[bool] = False
+    # Where the global servers run the optimizer: a change of the user's hyperparameters (an
+    # lr schedule) travels with the next round and the servers update theirs in place.
+    follows_hyperparameters: ClassVar[bool] = False
+
+    @property
+    def on_servers(self) -> bool:
+        """Whether the global servers run the optimizer (the workers then pull parameters)."""
+        return False
+
+    def period(self) -> int:
+        """Steps from one global model to the next (the CLI trains and checkpoints in these)."""
+        return 1
+
+    def validate(self) -> None:  # noqa: B027 - optional check
+        """Refuse settings that make no sense, with one line (ConfigError)."""
+
+    def job(self) -> dict:
+        """What the servers are told when the workers start this algorithm (JSON)."""
+        return {"sync": self.name, "settings": asdict(self)}
+
+    @classmethod
+    def from_settings(cls, settings: dict) -> Algorithm:
+        """The algorithm of a job (the servers' side of ``job()``), validated."""
+        known = {f.name for f in fields(cls)}
+        algo = cls(**{k: v for k, v in settings.items() if k in known})
+        algo.validate()
+        return algo
+
+    @classmethod
+    def from_config(cls, cfg) -> Algorithm:
+        """The algorithm the CLI's flags (a RunConfig) describe."""
+        return cls()
+
+    def server_spec(self, optimizer: torch.optim.Optimizer) -> dict | None:
+        """What the global servers need from the user's optimizer, sent in the INIT round."""
+        return None
+
+    def cli_optimizer(self, cfg, params) -> tuple[torch.optim.Optimizer, dict]:
+        """The CLI's workers' optimizer for these flags, and the servers' spec."""
+        raise NotImplementedError
+
+    def make_server(self, topo, comms, stats, **common):
+        """The server this rank plays (a local or a global server) for this algorithm.
+
+        ``common``: on_nonfinite, timeout, slowdown, wan, max_staleness (the job's defaults).
+        """
+        raise NotImplementedError

@@ -1,0 +1,114 @@
+"""FSA: fully synchronous at both tiers. Every step, the sample-weighted gradient of every
+worker reaches the optimizer, and every worker continues from the same parameters.
+
+Worker side (geompi.optimizer): gradient buckets are pushed from backward hooks in priority
+order, so communication overlaps backward. With the optimizer on the workers (the default, as
+DDP) the servers only sum (FLAG_RAW rounds) and every worker steps on the global gradient; with
+``optimizer="servers"`` (GeoMX's placement, the CLI's) the global servers step their shard and
+the workers pull parameters, with the presence key telling them which parameters had no gradient.
+Server side: the synchronous local and global servers, one round per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from geompi.errors import ConfigError
+from geompi.ps.optim import SGD, Adam, AdamW, Spec, make_spec, spec_to_dict
+from geompi.sync.base import Algorithm
+
+
+@dataclass(frozen=True)
+class FSA(Algorithm):
+    """Fully synchronous: every step, the sample-weighted gradient of every worker.
+
+    The user's optimizer runs on every worker over the aggregated gradient (as torch DDP does),
+    so any ``torch.optim`` optimizer, param groups and schedulers behave exactly as in one
+    process.
+    """
+
+    name: ClassVar[str] = "fsa"
+    follows_hyperparameters: ClassVar[bool] = True
+    # "workers" (default): the user's optimizer on every worker over the global gradient;
+    # "servers": GeoMX's placement, the optimizer and its state sharded on the global servers.
+    optimizer: str = "workers"
+
+    def validate(self) -> None:
+        if self.optimizer not in ("workers", "servers"):
+            raise ConfigError(f"FSA(optimizer={self.optimizer!r}): choose workers or servers")
+
+    @property
+    def on_servers(self) -> bool:
+        return self.optimizer == "servers"
+
+    @classmethod
+    def from_config(cls, cfg) -> FSA:
+        return cls(optimizer="servers")  # the CLI's optimizer flags name a server optimizer
+
+    def server_spec(self, optimizer: torch.optim.Optimizer) -> dict | None:
+        if not self.on_servers:
+            return None
+        return {"optimizer": spec_to_dict(server_spec(optimizer, "FSA(optimizer='servers')"))}
+
+    def cli_optimizer(self, cfg, params) -> tuple[torch.optim.Optimizer, dict]:
+        return servers_optimizer(cfg, params)
+
+    def make_server(self, topo, comms, stats, **common):
+        from geompi.ps.servers import build_server  # MPI loads with the servers, not before
+
+        return build_server(topo, comms, stats, **_sync_tier(common))
+
+
+def _sync_tier(common: dict) -> dict:
+    """The job's server settings that the synchronous tiers take."""
+    return {k: v for k, v in common.items() if k != "max_staleness"}
+
+
+def servers_optimizer(cfg, params) -> tuple[torch.optim.Optimizer, dict]:
+    """The CLI with the optimizer on the global servers: the flags' spec (which may be
+    DCASGD, which torch lacks) goes to the servers; the workers' optimizer is only the handle
+    ``step()`` goes through, never stepped itself."""
+    spec = make_spec(
+        cfg.optimizer,
+        cfg.effective_lr,
+        cfg.effective_momentum,
+        cfg.weight_decay,
+        cfg.nesterov,
+        cfg.dcasgd_lambda,
+        cfg.dcasgd_adaptive,
+    )
+    return torch.optim.SGD(params, lr=cfg.effective_lr), {"optimizer": spec_to_dict(spec)}
+
+
+def server_spec(optimizer: torch.optim.Optimizer, who: str) -> Spec:
+    """The JSON-able spec of a user's optimizer, for algorithms whose servers run it."""
+    if len(optimizer.param_groups) != 1:
+        raise ConfigError(
+            f"{who} runs the optimizer on the global servers, which take one param group; "
+            f"this optimizer has {len(optimizer.param_groups)}: use one group"
+        )
+    g = optimizer.param_groups[0]
+    kind = getattr(optimizer, "_geompi_base", type(optimizer))  # the user's class
+    if kind is torch.optim.SGD:
+        return SGD(
+            lr=float(g["lr"]),
+            momentum=float(g["momentum"]),
+            weight_decay=float(g["weight_decay"]),
+            nesterov=bool(g["nesterov"]),
+            dampening=float(g["dampening"]),
+        )
+    if kind in (torch.optim.Adam, torch.optim.AdamW) and not g.get("amsgrad"):
+        cls = AdamW if kind is torch.optim.AdamW else Adam
+        return cls(
+            lr=float(g["lr"]),
+            betas=tuple(float(b) for b in g["betas"]),
+            eps=float(g["eps"]),
+            weight_decay=float(g["weight_decay"]),
+        )
+    raise ConfigError(
+        f"{who} runs the optimizer on the global servers, which know torch.optim.SGD, Adam and "
+        f"AdamW (without amsgrad); got {kind.__name__}: use one of those, or sync='fsa'/'hfa'"
+    )

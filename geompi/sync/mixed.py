@@ -1,0 +1,76 @@
+"""MixedSync: synchronous inside a datacenter, asynchronous between datacenters.
+
+Worker side: as FSA with the optimizer on the servers (gradient buckets pushed from backward
+hooks, parameters pulled after); at the end every worker receives the final global model.
+Server side: the local server deposits its datacenter's gradient into the global servers' RMA
+windows and fetches the parameters its own update produced, without waiting for the other
+datacenters; the global servers step (the allow-list, or DCASGD) on each deposit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from geompi.errors import ConfigError
+from geompi.ps.optim import DCASGD, SGD, spec_to_dict
+from geompi.sync.base import Algorithm
+from geompi.sync.fsa import server_spec, servers_optimizer
+
+
+@dataclass(frozen=True)
+class MixedSync(Algorithm):
+    """Synchronous inside a datacenter, asynchronous between datacenters: the global servers
+    run the optimizer (SGD, Adam or AdamW as the user built it, or DCASGD) on each deposit."""
+
+    name: ClassVar[str] = "mixed"
+    independent_dcs: ClassVar[bool] = True
+    dcasgd: bool = False  # delay-compensated SGD with the user's SGD learning rate
+    dcasgd_lambda: float = 0.04
+    dcasgd_adaptive: bool = False
+    max_staleness: int | None = None  # None: geompi.init's (or GEOMPI_MAX_STALENESS)
+
+    @property
+    def on_servers(self) -> bool:
+        return True
+
+    def validate(self) -> None:
+        if self.max_staleness is not None and (
+            not isinstance(self.max_staleness, int) or self.max_staleness < 1
+        ):
+            raise ConfigError(f"MixedSync(max_staleness={self.max_staleness!r}): must be >= 1")
+
+    @classmethod
+    def from_config(cls, cfg) -> MixedSync:
+        return cls(max_staleness=cfg.max_staleness)  # the optimizer: cli_optimizer's spec
+
+    def server_spec(self, optimizer: torch.optim.Optimizer) -> dict | None:
+        """The global servers' optimizer, read from the user's (one param group)."""
+        spec = server_spec(optimizer, "MixedSync")
+        if self.dcasgd:
+            if not isinstance(spec, SGD) or spec.momentum:
+                raise ConfigError(
+                    "MixedSync(dcasgd=True) takes its lr from a torch.optim.SGD without "
+                    "momentum: build torch.optim.SGD(params, lr=...)"
+                )
+            spec = DCASGD(
+                lr=spec.lr,
+                lam=self.dcasgd_lambda,
+                adaptive=self.dcasgd_adaptive,
+                weight_decay=spec.weight_decay,
+            )
+        return {"optimizer": spec_to_dict(spec)}
+
+    def cli_optimizer(self, cfg, params) -> tuple[torch.optim.Optimizer, dict]:
+        return servers_optimizer(cfg, params)
+
+    def make_server(self, topo, comms, stats, **common):
+        from geompi.ps.servers import build_server  # MPI loads with the servers, not before
+
+        default = common.pop("max_staleness", None)
+        staleness = self.max_staleness if self.max_staleness is not None else default
+        return build_server(
+            topo, comms, stats, asynchronous=True, max_staleness=staleness, **common
+        )
