@@ -204,10 +204,18 @@ class _Distributed:
     geompi_close = close  # what geompi.session calls, whatever the optimizer defines
 
 
-def layout_spec(buckets: Buckets) -> list:
-    """Every key's parameters, ``[[key, [[name, offset, numel], ...]], ...]``, in the order of
-    the presence vector (what a global server needs to build one optimizer view per piece)."""
-    return [[b.key, [[name, off, p.numel()] for name, p, off in b.members]] for b in buckets]
+def layout_spec(buckets: Buckets, group_of: dict[int, int] | None = None) -> list:
+    """Every key's parameters, ``[[key, [[name, offset, numel(, group)], ...]], ...]``, in the
+    order of the presence vector (what a global server needs to build one optimizer view per
+    piece). ``group_of`` (``id(p)`` -> the optimizer's param group, -1 if it holds none): a
+    fourth element per parameter, where it is not all group 0."""
+    group_of = group_of or {}
+
+    def entry(name, p, off):
+        g = group_of.get(id(p), 0)
+        return [name, off, p.numel(), g] if set(group_of.values()) - {0} else [name, off, p.numel()]
+
+    return [[b.key, [entry(name, p, off) for name, p, off in b.members]] for b in buckets]
 
 
 def uniform_weight(client: PSClient) -> float:
@@ -285,7 +293,7 @@ class Synchronizer:
         }
         self.present_out = torch.zeros(g * len(self.params))
         self.trainable = [sum(p.requires_grad for _, p, _ in b.members) for b in self.buckets]
-        self.sent_spec = (server_spec or {}).get("optimizer")
+        self.sent_spec = server_spec  # what the servers' optimizer last heard
         if self.server_side:
             self.aux_len = 0
         elif self.grads_to_workers:
@@ -359,7 +367,9 @@ class Synchronizer:
         spec; ``send_restore(reqs)`` (the CLI's master, on resume) adds their saved state."""
         spec = {**(self.server_spec or {}), **(extra_spec or {})}
         if self.server_side:
-            spec.update(layout=layout_spec(self.buckets), presence_key=self.aux_key)
+            held = {id(p): i for i, g in enumerate(self.opt.param_groups) for p in g["params"]}
+            group_of = {id(p): held.get(id(p), -1) for p in self.params}
+            spec.update(layout=layout_spec(self.buckets, group_of), presence_key=self.aux_key)
         self.init_round(spec, send_restore)
         self.stats.reset_time()  # the report's waits and wall time cover training, not INIT
         self.t_start = time.perf_counter()
@@ -509,13 +519,13 @@ class Synchronizer:
         travel with the next round whenever they changed, so the servers follow them."""
         if not (self.master and self.server_side and self.follow_hyperparameters):
             return None
-        now = self.algo.server_spec(self.opt)["optimizer"]
+        now = self.algo.server_spec(self.opt)
         if now == self.sent_spec:
             return None
         import json
 
         self.sent_spec = now
-        return json.dumps({"optimizer": now, "update": True}, sort_keys=True).encode()
+        return json.dumps({**now, "update": True}, sort_keys=True).encode()
 
     def _issue(self, complete_only: bool) -> None:
         """Push buckets in key order; with complete_only, stop at the first incomplete one."""

@@ -17,6 +17,7 @@ pytestmark = pytest.mark.mpi
 
 KINDS = ["sgd", "adam", "adamw", "rmsprop", "adagrad", "clip", "accum", "nosync"]
 KINDS += ["srv_sgd", "srv_adamw"]  # GeoMX's placement: the optimizer on the global servers
+KINDS += ["srv_groups_sgd", "srv_groups_adamw"]  # ... with two param groups and a schedule
 STEPS = 10
 
 
@@ -31,7 +32,7 @@ def fsa_2gs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def fsa_1gs(tmp_path_factory):
     out = tmp_path_factory.mktemp("api_fsa_1gs")
-    kinds = "sgd,clip,accum,srv_adamw"
+    kinds = "sgd,clip,accum,srv_adamw,srv_groups_sgd"
     mpirun(9, ["-m", "mpi4py", prog("api_fsa.py"), str(out), "3,5", "1", kinds], 300)
     return out
 
@@ -58,9 +59,26 @@ def test_fsa_equals_one_process_on_the_concatenated_batches(fsa_2gs, kind):
     _check_fsa(fsa_2gs, kind)
 
 
-@pytest.mark.parametrize("kind", ["sgd", "clip", "accum", "srv_adamw"])
+@pytest.mark.parametrize("kind", ["sgd", "clip", "accum", "srv_adamw", "srv_groups_sgd"])
 def test_fsa_with_one_global_server(fsa_1gs, kind):
     _check_fsa(fsa_1gs, kind)
+
+
+MIXED_KINDS = ["mixed_sgd", "mixed_adamw"]  # two param groups each, no schedule
+
+
+@pytest.fixture(scope="module")
+def mixed_1dc(tmp_path_factory):
+    """MixedSync with one datacenter (3 workers) and 2 global servers: nothing is asynchronous,
+    so every deposit is one step of the servers' optimizer on the datacenter's gradient."""
+    out = tmp_path_factory.mktemp("api_mixed_1dc")
+    mpirun(6, ["-m", "mpi4py", prog("api_fsa.py"), str(out), "4", "2", ",".join(MIXED_KINDS)], 300)
+    return out
+
+
+@pytest.mark.parametrize("kind", MIXED_KINDS)
+def test_mixedsync_param_groups_on_one_datacenter_equal_one_process(mixed_1dc, kind):
+    _check_fsa(mixed_1dc, kind, workers=3)
 
 
 @pytest.mark.parametrize("kind", ["accum", "nosync"])

@@ -79,8 +79,13 @@ def test_server_spec_reads_the_users_optimizer():
         server_spec(torch.optim.RMSprop(p), "MixedSync")
     with pytest.raises(ConfigError, match="amsgrad|got Adam"):
         server_spec(torch.optim.Adam(p, amsgrad=True), "MixedSync")
+    two = torch.optim.SGD([{"params": p}, {"params": [torch.zeros(1)], "lr": 0.5}], lr=1)
+    with pytest.raises(ConfigError, match="one param group"):  # DCASGD's case
+        server_spec(two, "M")
+    msg = FSA(optimizer="servers").server_spec(two)  # every group's spec, in order
+    assert [g["lr"] for g in msg["groups"]] == [1.0, 0.5] and msg["optimizer"]["lr"] == 1.0
     with pytest.raises(ConfigError, match="one param group"):
-        server_spec(torch.optim.SGD([{"params": p}, {"params": [torch.zeros(1)]}], lr=1), "M")
+        MixedSync(dcasgd=True).server_spec(two)
     with pytest.raises(ConfigError, match="without momentum"):
         MixedSync(dcasgd=True).server_spec(torch.optim.SGD(p, lr=0.3, momentum=0.9))
 

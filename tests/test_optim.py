@@ -18,6 +18,7 @@ from geompi.ps.optim import (
     dumps,
     make_spec,
     outer_step,
+    shard_pieces,
     spec_from_dict,
     spec_to_dict,
 )
@@ -595,3 +596,46 @@ def test_absent_pieces_are_skipped_as_torch_skips_grad_none(spec, lo, hi) -> Non
     assert again.state_dict()[0].keys() == state.keys()
     for name in state:
         assert state[name].keys() == again.state_dict()[0][name].keys()
+
+
+def test_param_groups_on_the_server_equal_torch_with_the_same_groups() -> None:
+    """Two groups with their own lr and weight decay, an lr change between steps, one key
+    whose shard holds pieces of both groups and a parameter outside the optimizer."""
+    torch.manual_seed(0)
+    shapes = {"a": 5, "b": 3, "c": 4, "d": 2}  # a, c: group 0; b: group 1; d: in no group
+    groups = [
+        AdamW(lr=1e-2, weight_decay=0.1),
+        AdamW(lr=3e-3, betas=(0.8, 0.95), weight_decay=0.0),
+    ]
+    group = {"a": 0, "b": 1, "c": 0, "d": -1}
+    layout, off = [], 0
+    for name, n in shapes.items():
+        layout.append([name, off, n, group[name]])
+        off += n
+    value = torch.randn(off)
+    params = {n: torch.nn.Parameter(value[o : o + k].clone()) for (n, o, k, _) in layout}
+    ref = torch.optim.AdamW(
+        [
+            {"params": [params["a"], params["c"]], "lr": 1e-2, "weight_decay": 0.1},
+            {"params": [params["b"]], "lr": 3e-3, "betas": (0.8, 0.95), "weight_decay": 0.0},
+        ],
+        foreach=False,
+    )
+    opt = ServerOptimizer(groups[0], groups)
+    lo, hi = 2, 13  # a shard that cuts a and d
+    opt.set_layout(0, shard_pieces(layout, lo, hi))
+    shard = value[lo:hi].clone()
+    for _ in range(4):
+        grad = torch.randn(off)
+        for name, o, k, _ in layout:
+            params[name].grad = grad[o : o + k].clone()
+        ref.step()
+        opt.step(0, shard, grad[lo:hi])
+        ref.param_groups[1]["lr"] *= 0.5  # a schedule on group 1 only
+        groups[1] = AdamW(lr=ref.param_groups[1]["lr"], betas=(0.8, 0.95), weight_decay=0.0)
+        opt.update(groups[0], groups)
+    want = torch.cat([params[n].detach() for n in shapes])[lo:hi]
+    assert torch.equal(shard, want)
+    assert torch.equal(shard[-1:], value[12:13])  # d is in no group: never stepped
+    with pytest.raises(ConfigError, match="param groups"):
+        opt.update(groups[0], groups[:1])

@@ -79,10 +79,12 @@ class GlobalServer:
         """Apply a spec from the master worker: the optimizer and, for HFA, the outer one."""
         if "layout" in spec:
             self.set_layout(spec["layout"], spec.get("presence_key"))
+        groups = [spec_from_dict(g) for g in spec.get("groups") or []] or None
         if spec.get("optimizer") and spec.get("update") and self.optimizer is not None:
-            self.optimizer.update(spec_from_dict(spec["optimizer"]))  # the worker's schedule
+            # the worker's schedule
+            self.optimizer.update(spec_from_dict(spec["optimizer"]), groups)
         elif spec.get("optimizer"):
-            self.optimizer = ServerOptimizer(spec_from_dict(spec["optimizer"]))
+            self.optimizer = ServerOptimizer(spec_from_dict(spec["optimizer"]), groups)
             for key, pieces in self.pieces.items():
                 self.optimizer.set_layout(key, pieces)
         if "outer" in spec:
@@ -97,7 +99,7 @@ class GlobalServer:
         order of the presence vector (whose key is ``presence_key``)."""
         self.pieces, first = {}, 0
         for key, params in layout:
-            numel = sum(int(n) for _, _, n in params)
+            numel = sum(int(entry[2]) for entry in params)  # [name, offset, numel(, group)]
             lo, hi = self.topo.shard_bounds(numel, self.index)
             self.pieces[int(key)] = shard_pieces(params, lo, hi, first)
             first += len(params)

@@ -105,17 +105,18 @@ class Piece:
     index: int  # the parameter's position in the run's presence vector (-1: none)
     lo: int  # [lo, hi) within the server's slice of the key
     hi: int
+    group: int = 0  # the worker optimizer's param group (-1: not in the optimizer: not stepped)
 
 
 def shard_pieces(layout: Sequence, lo: int, hi: int, first_index: int = 0) -> list[Piece]:
-    """The pieces of ``layout`` (``(name, offset, numel)`` per parameter of a key, in order)
-    that fall in the shard ``[lo, hi)`` of the key; parameter j has presence index
+    """The pieces of ``layout`` (``(name, offset, numel[, group])`` per parameter of a key, in
+    order) that fall in the shard ``[lo, hi)`` of the key; parameter j has presence index
     ``first_index + j``."""
     out = []
-    for j, (name, off, n) in enumerate(layout):
+    for j, (name, off, n, *group) in enumerate(layout):
         a, b = max(lo, off), min(hi, off + n)
         if b > a:
-            out.append(Piece(str(name), first_index + j, a - lo, b - lo))
+            out.append(Piece(str(name), first_index + j, a - lo, b - lo, int((group or [0])[0])))
     return out
 
 
@@ -124,11 +125,14 @@ class ServerOptimizer:
 
     A key with a layout (``set_layout``) is stepped as one ``torch.optim`` parameter per piece,
     so a piece whose gradient is absent is skipped exactly as torch.optim skips ``grad=None``;
-    a key without one is a single parameter.
+    a key without one is a single parameter. ``groups``: one spec per param group of the
+    worker's optimizer (the same class, their own hyperparameters); a piece's ``group`` picks one.
     """
 
-    def __init__(self, spec: Spec) -> None:
+    def __init__(self, spec: Spec, groups: Sequence[Spec] | None = None) -> None:
         self.spec = spec
+        self.groups = self._check_groups(spec, groups)
+        self._group_ids: dict[int, list[int]] = {}  # key -> the spec index of each torch group
         self.pieces: dict[int, list[Piece]] = {}
         self._torch: dict[int, torch.optim.Optimizer] = {}
         self._params: dict[int, list[torch.nn.Parameter]] = {}
@@ -159,7 +163,7 @@ class ServerOptimizer:
             return
         params = self._torch_params(key, value)
         for i, (p, pc) in enumerate(zip(params, self._pieces(key, value))):
-            if present is None or present[i]:
+            if pc.group >= 0 and (present is None or present[i]):
                 p.grad = grad[pc.lo : pc.hi]
         self._torch[key].step()
         for p in params:
@@ -174,31 +178,66 @@ class ServerOptimizer:
                 for pc in self._pieces(key, value)
             ]
             self._params[key] = params
-            self._torch[key] = self._make_torch(params)
+            self._torch[key] = self._make_torch(key, params, self._pieces(key, value))
         elif self._base[key] != value.data_ptr():  # the key's tensor was replaced: follow it
             for p, pc in zip(params, self._pieces(key, value)):
                 p.data = value[pc.lo : pc.hi]
         self._base[key] = value.data_ptr()
         return params
 
-    def _make_torch(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-        return torch_optimizer(self.spec, params)
+    def _make_torch(
+        self, key: int, params: list[torch.nn.Parameter], pieces: list[Piece]
+    ) -> torch.optim.Optimizer:
+        """One torch optimizer for a key, with a param group per worker group it holds."""
+        by_group: dict[int, list[torch.nn.Parameter]] = {}
+        for p, pc in zip(params, pieces):
+            if pc.group >= len(self.groups):
+                raise ConfigError(
+                    f"parameter {pc.name} is in param group {pc.group}, but the spec has "
+                    f"{len(self.groups)}: this is a geompi bug; report it"
+                )
+            if pc.group >= 0:
+                by_group.setdefault(pc.group, []).append(p)
+        order = sorted(by_group) or [0]
+        # a key of parameters outside the optimizer: an empty stand-in, never stepped
+        first = by_group.get(order[0]) or [torch.nn.Parameter(torch.zeros(0))]
+        opt = torch_optimizer(self.groups[order[0]], first)
+        for g in order[1:]:
+            opt.add_param_group({"params": by_group[g], **_hyperparameters(self.groups[g])})
+        self._group_ids[key] = order
+        return opt
 
-    def update(self, spec: Spec) -> None:
+    @staticmethod
+    def _check_groups(spec: Spec, groups: Sequence[Spec] | None) -> list[Spec]:
+        groups = list(groups or [spec])
+        if any(type(g) is not type(spec) for g in groups) or (
+            len(groups) > 1 and isinstance(spec, DCASGD)
+        ):
+            raise ConfigError(
+                "the param groups of a server optimizer must share its class (DCASGD takes one "
+                "group): build one torch.optim optimizer over every group"
+            )
+        return groups
+
+    def update(self, spec: Spec, groups: Sequence[Spec] | None = None) -> None:
         """New hyperparameters of the same optimizer (a worker's lr schedule): its state stays."""
         if type(spec) is not type(self.spec):
             raise ConfigError(
                 f"the optimizer changed from {self.spec.name} to {spec.name} during training: "
                 "build a new DistributedOptimizer for another optimizer"
             )
-        self.spec = spec
+        groups = self._check_groups(spec, groups)
+        if len(groups) != len(self.groups):
+            raise ConfigError(
+                f"the optimizer went from {len(self.groups)} to {len(groups)} param groups "
+                "during training: build a new DistributedOptimizer after add_param_group"
+            )
+        self.spec, self.groups = spec, groups
         if isinstance(spec, DCASGD):
             return  # read at every step
-        fields = ("lr", "momentum", "weight_decay", "nesterov", "dampening", "betas", "eps")
-        values = {f: getattr(spec, f) for f in fields if hasattr(spec, f)}
-        for opt in self._torch.values():
-            for group in opt.param_groups:
-                group.update(values)
+        for key, opt in self._torch.items():
+            for g, group in zip(self._group_ids[key], opt.param_groups):
+                group.update(_hyperparameters(self.groups[g]))
 
     def pulled(self, key: int, dc: int, held: torch.Tensor) -> None:
         """Datacenter ``dc`` now holds ``held`` for ``key``: DCASGD's backup ``w_bak[dc]``.
@@ -312,6 +351,12 @@ class ServerOptimizer:
                     )
                 if restored:
                     opt.state[p] = restored
+
+
+def _hyperparameters(spec: Spec) -> dict:
+    """A spec's values as a torch param group holds them."""
+    fields = ("lr", "momentum", "weight_decay", "nesterov", "dampening", "betas", "eps")
+    return {f: getattr(spec, f) for f in fields if hasattr(spec, f)}
 
 
 def _flat_state(v, pieces: list[Piece]) -> torch.Tensor | None:

@@ -51,7 +51,7 @@ class FSA(Algorithm):
     def server_spec(self, optimizer: torch.optim.Optimizer) -> dict | None:
         if not self.on_servers:
             return None
-        return {"optimizer": spec_to_dict(server_spec(optimizer, "FSA(optimizer='servers')"))}
+        return spec_message(optimizer, "FSA(optimizer='servers')")
 
     def cli_optimizer(self, cfg, params) -> tuple[torch.optim.Optimizer, dict]:
         return servers_optimizer(cfg, params)
@@ -83,14 +83,28 @@ def servers_optimizer(cfg, params) -> tuple[torch.optim.Optimizer, dict]:
     return torch.optim.SGD(params, lr=cfg.effective_lr), {"optimizer": spec_to_dict(spec)}
 
 
+def spec_message(optimizer: torch.optim.Optimizer, who: str) -> dict:
+    """What the global servers are told of a user's optimizer: its first param group's spec,
+    and with several groups every group's (each parameter's group travels in the layout)."""
+    specs = [group_spec(optimizer, g, who) for g in optimizer.param_groups]
+    out = {"optimizer": spec_to_dict(specs[0])}
+    if len(specs) > 1:
+        out["groups"] = [spec_to_dict(s) for s in specs]
+    return out
+
+
 def server_spec(optimizer: torch.optim.Optimizer, who: str) -> Spec:
-    """The JSON-able spec of a user's optimizer, for algorithms whose servers run it."""
+    """The JSON-able spec of a user's optimizer of one param group (DCASGD's case)."""
     if len(optimizer.param_groups) != 1:
         raise ConfigError(
-            f"{who} runs the optimizer on the global servers, which take one param group; "
-            f"this optimizer has {len(optimizer.param_groups)}: use one group"
+            f"{who} takes one param group; this optimizer has "
+            f"{len(optimizer.param_groups)}: use one group"
         )
-    g = optimizer.param_groups[0]
+    return group_spec(optimizer, optimizer.param_groups[0], who)
+
+
+def group_spec(optimizer: torch.optim.Optimizer, g: dict, who: str) -> Spec:
+    """The spec of one param group of a user's optimizer, for the global servers to run."""
     kind = getattr(optimizer, "_geompi_base", type(optimizer))  # the user's class
     if kind is torch.optim.SGD:
         return SGD(

@@ -17,7 +17,7 @@ import torch
 from geompi.errors import ConfigError
 from geompi.ps.optim import DCASGD, SGD, spec_to_dict
 from geompi.sync.base import Algorithm
-from geompi.sync.fsa import server_spec, servers_optimizer
+from geompi.sync.fsa import server_spec, servers_optimizer, spec_message
 
 
 @dataclass(frozen=True)
@@ -47,21 +47,22 @@ class MixedSync(Algorithm):
         return cls(max_staleness=cfg.max_staleness)  # the optimizer: cli_optimizer's spec
 
     def server_spec(self, optimizer: torch.optim.Optimizer) -> dict | None:
-        """The global servers' optimizer, read from the user's (one param group)."""
-        spec = server_spec(optimizer, "MixedSync")
-        if self.dcasgd:
-            if not isinstance(spec, SGD) or spec.momentum:
-                raise ConfigError(
-                    "MixedSync(dcasgd=True) takes its lr from a torch.optim.SGD without "
-                    "momentum: build torch.optim.SGD(params, lr=...)"
-                )
-            spec = DCASGD(
-                lr=spec.lr,
-                lam=self.dcasgd_lambda,
-                adaptive=self.dcasgd_adaptive,
-                weight_decay=spec.weight_decay,
+        """The global servers' optimizer, read from the user's (DCASGD: one param group)."""
+        if not self.dcasgd:
+            return spec_message(optimizer, "MixedSync")
+        spec = server_spec(optimizer, "MixedSync(dcasgd=True)")
+        if not isinstance(spec, SGD) or spec.momentum:
+            raise ConfigError(
+                "MixedSync(dcasgd=True) takes its lr from a torch.optim.SGD without "
+                "momentum: build torch.optim.SGD(params, lr=...)"
             )
-        return {"optimizer": spec_to_dict(spec)}
+        dcasgd = DCASGD(
+            lr=spec.lr,
+            lam=self.dcasgd_lambda,
+            adaptive=self.dcasgd_adaptive,
+            weight_decay=spec.weight_decay,
+        )
+        return {"optimizer": spec_to_dict(dcasgd)}
 
     def cli_optimizer(self, cfg, params) -> tuple[torch.optim.Optimizer, dict]:
         return servers_optimizer(cfg, params)

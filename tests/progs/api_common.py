@@ -73,8 +73,14 @@ def param_groups(model: Net, kind: str) -> list[dict]:
 
 
 def make_optimizer(model: Net, kind: str) -> tuple[torch.optim.Optimizer, object | None]:
-    """The optimizer (and lr scheduler) of one test case. ``srv_*``: one param group (the
-    global servers' optimizer takes one), with a schedule the servers must follow."""
+    """The optimizer (and lr scheduler) of one test case. ``srv_*``: the optimizer on the
+    global servers, with a schedule they must follow; ``srv_groups_K`` is case K's (two param
+    groups with their own lr and weight decay) there; ``mixed_K`` is case K's optimizer under
+    MixedSync, without its schedule."""
+    if kind.startswith("srv_groups_"):
+        return make_optimizer(model, kind.removeprefix("srv_groups_"))
+    if kind.startswith("mixed_"):  # MixedSync's hyperparameters are fixed: no schedule
+        return make_optimizer(model, kind.removeprefix("mixed_"))[0], None
     if kind == "srv_sgd":
         opt = torch.optim.SGD(
             model.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3

@@ -22,7 +22,11 @@ for kind in kinds:
     opt = geompi.DistributedOptimizer(
         opt,
         model,
-        sync=geompi.FSA(optimizer="servers") if kind.startswith("srv_") else "fsa",
+        sync=geompi.MixedSync()
+        if kind.startswith("mixed_")
+        else geompi.FSA(optimizer="servers")
+        if kind.startswith("srv_")
+        else "fsa",
         bucket_mb=0.002,  # several buckets
         max_grad_norm=CLIP if kind == "clip" else None,
         backward_passes_per_step=MICRO[kind] if kind == "accum" else 1,
