@@ -33,7 +33,7 @@ from geompi.comm.transport import LAN, Link, LinkStats
 from geompi.ps.client import PSClient
 from geompi.ps.optim import SGD, spec_to_dict
 from geompi.ps.protocol import Op
-from geompi.ps.servers import make_server
+from geompi.ps.servers import build_server
 
 p = argparse.ArgumentParser()
 p.add_argument("--sizes", default="1,25,100", help="MB, comma-separated")
@@ -92,7 +92,7 @@ if role is Role.WORKER:
         client.pull(reqs, p)
     reqs.wait()
 else:
-    server = make_server("fsa", topo, comms, stats)
+    server = build_server(topo, comms, stats)  # FSA's: synchronous, one round per step
     server.serve_round()  # INIT
 
 

@@ -262,18 +262,15 @@ def create(
     role = topo.role(comm.Get_rank())
     if role is Role.WORKER:
         return KVStore(name, topo, comms, stats, hfa)
-    from geompi.ps.servers import make_server
+    from geompi import sync
 
-    sync = "mixed" if name == "dist_async" else ("hfa" if hfa else "fsa")
+    if name == "dist_async":
+        algo = sync.MixedSync()
+    else:
+        algo = sync.HFA(k1=cfg.k1, k2=cfg.k2) if hfa else sync.FSA(optimizer="servers")
     try:
-        make_server(
-            sync,
-            topo,
-            comms,
-            stats,
-            k2=cfg.k2,
-            max_staleness=cfg.max_staleness,
-            wan=cfg.wan_settings(),
+        algo.make_server(
+            topo, comms, stats, max_staleness=cfg.max_staleness, wan=cfg.wan_settings()
         ).run()
     except Exception as e:  # noqa: BLE001
         abort(e)

@@ -35,7 +35,7 @@ from geompi.comm.rma import (
     set_per_dc,
 )
 from geompi.comm.topology import Topology
-from geompi.comm.transport import WAN, Requests, Watchdog, live_timeout, recv_object
+from geompi.comm.transport import WAN, Requests, Watchdog, barrier, live_timeout, recv_object
 from geompi.errors import ConfigError
 from geompi.ps.global_server import GlobalServer
 from geompi.ps.local_server import SyncUplink
@@ -53,6 +53,9 @@ def _open_windows(comm, topo: Topology, keys: list[tuple[int, int]], stats, time
     training round's data (each key compressed or, a presence key, not) or, at the end, the
     full final values."""
     d = topo.num_dcs
+    # Win.Create cannot be waited on: a watched barrier first, so a server lost before the
+    # windows exist is reported (heartbeat-aware: another datacenter may rightly be slow)
+    barrier(comm, live_timeout(timeout), "every server to open MixedSync's windows")
     wins = []
     for g in range(topo.num_global_servers):
         sizes = [hi - lo for lo, hi in (topo.shard_bounds(n, g) for _, n in keys)]
