@@ -27,7 +27,12 @@ import torch
 
 from geompi import ckpt
 from geompi.comm.compression import make_compressor
-from geompi.comm.transport import barrier_before_collective, live_timeout, recv_object
+from geompi.comm.transport import (
+    barrier_before_collective,
+    isend_state,
+    live_timeout,
+    recv_state,
+)
 from geompi.errors import CheckpointError, CheckpointWriteError
 from geompi.ps.protocol import TAG_RESTORE, TAG_SNAPSHOT, Op
 from geompi.runtime import say
@@ -415,10 +420,11 @@ class Checkpointing:
         return sorted(
             (
                 # MixedSync's last snapshot comes once the slowest datacenter is done
-                recv_object(
+                recv_state(
                     w.comms.world,
                     gs,
                     TAG_SNAPSHOT,
+                    w.client.link.stats,
                     live_timeout(w.client.timeout),
                     f"the snapshot of global server {gs}",
                 )  # fmt: skip
@@ -737,8 +743,9 @@ class Checkpointing:
         states = self.server_states()
         if states is None:
             return
-        for gs, st in zip(self.w.topo.global_servers, states):
-            reqs.add(self.w.comms.world.isend(st, dest=gs, tag=TAG_RESTORE), "wan")
+        w = self.w
+        for gs, st in zip(w.topo.global_servers, states):
+            isend_state(reqs, w.comms.world, st, gs, TAG_RESTORE, w.client.link.stats)
 
 
 def say_resumed(path, step: int, note: str) -> None:

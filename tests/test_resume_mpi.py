@@ -95,6 +95,36 @@ def test_resume_onto_another_topology_reshards(tmp_path):
     assert identical(tmp_path / "in.h5", dst / "ckpt-00000006.h5")
 
 
+def _nbytes(*trees) -> int:
+    return sum(t.numel() * t.element_size() for tree in trees for _, t in _leaves(tree))
+
+
+def test_checkpoint_state_messages_are_counted(tmp_path):
+    """The snapshot a global server sends the master and the state the master sends back on a
+    resume are WAN control bytes: in wan_bytes and global_in_bytes, never in wan_data_bytes."""
+    args = ["--optimizer", "adam", "--dc-sizes", "4", "--global-servers", "1"]
+    plain, saved, resumed = (tmp_path / f"{r}.jsonl" for r in ("plain", "saved", "resumed"))
+    d = tmp_path / "ck"
+    train(5, "--steps", 4, *args, "--metrics", plain)
+    train(5, "--steps", 4, *args, "--metrics", saved, "--checkpoint-dir", d)
+    train(5, "--steps", 8, *args, "--metrics", resumed, "--checkpoint-dir", d, "--resume", "latest")
+    a, b, c = (read_jsonl(m)[-1] for m in (plain, saved, resumed))
+    ck = ckpt.load(d / "ckpt-00000004.h5")
+    # The SAVE round adds its header (sent by the local server, received by the global server)
+    # and the snapshot (sent by the global server to the master worker, a worker: not in
+    # global_in_bytes): the values and the optimizer state, plus the message's JSON header.
+    snapshot = (b["wan_bytes"] - a["wan_bytes"]) - (b["global_in_bytes"] - a["global_in_bytes"])
+    payload = _nbytes(ck.model, ck.optimizer)
+    assert payload < snapshot < payload + 4096, (snapshot, payload)
+    assert b["wan_data_bytes"] == a["wan_data_bytes"]
+    # The same rounds as the saved run (INIT, 4 steps, SAVE), and the restored optimizer state
+    # (every tensor of it; the values come in the INIT round) that reached the global server.
+    restore = c["global_in_bytes"] - b["global_in_bytes"]
+    payload = _nbytes(ck.optimizer)
+    assert payload < restore < payload + 4096, (restore, payload)
+    assert c["wan_data_bytes"] == b["wan_data_bytes"]
+
+
 def test_mixedsync_resumes_and_reaches_accuracy(tmp_path):
     d = tmp_path / "ck"
     args = ["--sync", "mixed", "--optimizer", "dcasgd", "--model", "cnn", "--batch-size", "16"]

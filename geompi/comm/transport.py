@@ -12,10 +12,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from mpi4py import MPI
 
-from geompi.comm import heartbeat
+from geompi.comm import heartbeat, messages
 from geompi.comm.buffers import Staging, host_view
 from geompi.errors import CommTimeoutError
 
@@ -174,9 +175,50 @@ def live_timeout(timeout: float | None) -> float | None:
     return timeout if heartbeat.active() else None
 
 
+def recv_state(
+    comm, source: int, tag: int, stats: LinkStats, timeout: float | None, what: str = ""
+) -> object:
+    """Receive a state message (geompi.comm.messages), counted as WAN bytes received."""
+    # Probe (testing and sleeping, through the watchdog) until the message has arrived: its
+    # size is only known then. A matched probe: the message received is the one probed.
+    status = MPI.Status()
+    if timeout or POLL:
+        watch = Watchdog(timeout, what)
+        pause = 1e-5
+        while (msg := comm.Improbe(source, tag, status)) is None:
+            watch.check()
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+    else:
+        msg = comm.Mprobe(source, tag, status)
+    buf = np.empty(status.Get_count(MPI.BYTE), dtype=np.uint8)
+    msg.Recv([buf, MPI.BYTE])
+    stats.received[WAN] += buf.nbytes
+    return messages.decode(buf)
+
+
+def isend_state(reqs: Requests, comm, obj, dest: int, tag: int, stats: LinkStats) -> None:
+    """Post a state message of ``obj`` to ``dest`` on ``reqs``, counted as WAN control bytes."""
+    # Control: checkpoint state is not training data (``wan_data_bytes``, what compression
+    # shrinks), but every byte counts in ``wan_bytes``.
+    buf = messages.encode(obj)
+    stats.count(WAN, buf.nbytes, control=True)
+    reqs.add(comm.Isend([buf, MPI.BYTE], dest, tag), WAN, then=lambda: buf)  # buf kept alive
+
+
+def send_state(
+    comm, obj, dest: int, tag: int, stats: LinkStats, timeout: float | None, what: str = ""
+) -> None:
+    """Send a state message of ``obj``, waited on through the watchdog (see isend_state)."""
+    buf = messages.encode(obj)
+    stats.count(WAN, buf.nbytes, control=True)
+    wait_for([comm.Isend([buf, MPI.BYTE], dest, tag)], timeout, what)
+
+
 def recv_object(comm, source: int, tag: int, timeout: float | None, what: str = ""):
     """``comm.recv`` of a pickled object, waited on through the watchdog: probe (testing and
-    sleeping) until the message has arrived, then receive it."""
+    sleeping) until the message has arrived, then receive it. Only for the global servers'
+    agreement on a cut (a list of ints); checkpoint state travels as state messages."""
     if timeout or POLL:
         watch = Watchdog(timeout, what)
         pause = 1e-5
@@ -185,11 +227,6 @@ def recv_object(comm, source: int, tag: int, timeout: float | None, what: str = 
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
     return comm.recv(source=source, tag=tag)
-
-
-def send_object(comm, obj, dest: int, tag: int, timeout: float | None, what: str = "") -> None:
-    """``comm.send`` of a pickled object, waited on through the watchdog."""
-    wait_for([comm.isend(obj, dest=dest, tag=tag)], timeout, what)
 
 
 def recv_buffer(comm, buf, source: int, tag: int, timeout: float | None, what: str = "") -> None:

@@ -15,8 +15,8 @@ from geompi.comm.transport import (
     Requests,
     live_timeout,
     recv_buffer,
-    recv_object,
-    send_object,
+    recv_state,
+    send_state,
 )
 from geompi.ps.optim import Piece, ServerOptimizer, outer_step, shard_pieces, spec_from_dict
 from geompi.ps.protocol import (
@@ -90,9 +90,10 @@ class GlobalServer:
         if "outer" in spec:
             self.outer = spec["outer"]
         if spec.get("restore"):  # checkpointed state follows from the master worker
-            self._restore = recv_object(
-                self.world, 0, TAG_RESTORE, self.timeout, "the checkpointed state to restore"
-            )
+            self._restore = recv_state(
+                self.world, 0, TAG_RESTORE, self.stats, self.timeout,
+                "the checkpointed state to restore",
+            )  # fmt: skip
 
     def set_layout(self, layout: list, presence_key: int | None) -> None:
         """``[[key, [[name, offset, numel], ...]], ...]``: the parameters of every key, in the
@@ -256,8 +257,8 @@ class GlobalServer:
 
     def send_snapshot(self) -> None:
         # the master may be waiting for slower datacenters first (MixedSync's last snapshot)
-        send_object(
-            self.world, self.snapshot(), 0, TAG_SNAPSHOT, live_timeout(self.timeout),
+        send_state(
+            self.world, self.snapshot(), 0, TAG_SNAPSHOT, self.stats, live_timeout(self.timeout),
             "the master worker to take a snapshot",
         )  # fmt: skip
 
