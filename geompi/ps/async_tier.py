@@ -35,8 +35,16 @@ from geompi.comm.rma import (
     set_per_dc,
 )
 from geompi.comm.topology import Topology
-from geompi.comm.transport import WAN, Requests, Watchdog, barrier, live_timeout, recv_object
-from geompi.errors import ConfigError
+from geompi.comm.transport import (
+    WAN,
+    Requests,
+    Watchdog,
+    barrier,
+    isend_state,
+    live_timeout,
+    recv_state,
+)
+from geompi.errors import ConfigError, ProtocolError
 from geompi.ps.global_server import GlobalServer
 from geompi.ps.local_server import SyncUplink
 from geompi.ps.protocol import FLAG_PRESENCE, MAX_KEYS, Op, Round, presence_position
@@ -401,17 +409,21 @@ class AsyncGlobalServer(GlobalServer):
         comm, ndc = self.link.comm, self.topo.num_dcs
         me = ndc + self.index
         others = [ndc + g for g in range(self.topo.num_global_servers) if ndc + g != me]
-        mine = list(self.applied)
-        sends = [comm.isend(mine, dest=o, tag=TAG_CUT) for o in others]
+        mine = [int(a) for a in self.applied]
+        timeout = live_timeout(getattr(self, "timeout", None))
+        sends = Requests(self.stats, timeout, "the other global servers to take the cut")
+        for o in others:  # a state message, counted: no pickles between ranks
+            isend_state(sends, comm, mine, o, TAG_CUT, self.stats)
         cut = mine
         for o in others:
-            theirs = recv_object(
-                comm, o, TAG_CUT, live_timeout(getattr(self, "timeout", None)),
+            theirs = recv_state(
+                comm, o, TAG_CUT, self.stats, timeout,
                 f"global server {o} to agree on the last snapshot",
             )  # fmt: skip
-            cut = [max(a, b) for a, b in zip(cut, theirs)]
-        for r in sends:
-            r.wait()
+            if not (isinstance(theirs, list) and len(theirs) == len(mine)):
+                raise ProtocolError(f"global server {o} sent a cut of another shape: {theirs!r}")
+            cut = [max(a, int(b)) for a, b in zip(cut, theirs)]
+        sends.wait()
         return cut
 
     def _apply_deposit(self, d: int, ctrl: np.ndarray) -> None:
