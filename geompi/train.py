@@ -143,10 +143,11 @@ class Worker:
         return math.ceil(steps / period) * period
 
     def _make_optimizer(self):
-        """The CLI's optimizer, run as a user's would be: a ``torch.optim`` optimizer wrapped
-        by the public API's engine (geompi.optimizer), for the algorithm the flags name (its
-        ``cli_optimizer`` says which optimizer, and what the servers are told)."""
-        from geompi.optimizer import Synchronizer, wrap
+        """The CLI's optimizer and the public API's worker engine (geompi.optimizer) around
+        it, for the algorithm the flags name (its ``cli_optimizer`` says which optimizer, and
+        what the servers are told). The loop drives the engine as DistributedOptimizer's
+        ``step()`` does, without the class swap a user's optimizer gets."""
+        from geompi.optimizer import Synchronizer
         from geompi.session import Session
 
         opt, spec = self.algo.cli_optimizer(self.cfg, self.model.parameters())
@@ -163,7 +164,7 @@ class Worker:
             stats=self.stats,
             follow_hyperparameters=False,
         )
-        return wrap(opt, engine), engine
+        return opt, engine
 
     # ---- the loop -------------------------------------------------------------------------
     def run(self, log: MetricsLog | None) -> dict:
@@ -196,8 +197,8 @@ class Worker:
             x, y = self.loader.next_batch()
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             n = len(y)
-            self.opt.zero_grad(set_to_none=True)
-            self.opt.set_batch_size(n)
+            self.model.zero_grad(set_to_none=True)
+            self.engine.explicit_samples = n  # as opt.set_batch_size(n)
             waited = self.stats.wait_s[LAN]
             loss = loss_fn(self.model(x), y)
             if self.step + 1 == self._nan_at:  # fault injection for tests (GEOMPI_FAULT_NAN_AT)
@@ -211,7 +212,7 @@ class Worker:
             agreeing = agreeing and not stopping and self.step + 1 < self.total_steps
             if agreeing:
                 stop.begin()
-            self.opt.step()
+            self.engine.step(None, self.opt.step)  # as DistributedOptimizer.step()
             if agreeing:
                 stopping = stop.end()
             compute_s += dt

@@ -62,7 +62,7 @@ class Algorithm:
         """What the global servers need from the user's optimizer, sent in the INIT round."""
         return None
 
-    def cli_optimizer(self, cfg, params) -> tuple[torch.optim.Optimizer, dict]:
+    def cli_optimizer(self, cfg, params) -> tuple[object, dict]:
         """The CLI's workers' optimizer for these flags, and the servers' spec."""
         raise NotImplementedError
 

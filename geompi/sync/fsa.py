@@ -53,7 +53,7 @@ class FSA(Algorithm):
             return None
         return spec_message(optimizer, "FSA(optimizer='servers')")
 
-    def cli_optimizer(self, cfg, params) -> tuple[torch.optim.Optimizer, dict]:
+    def cli_optimizer(self, cfg, params) -> tuple[object, dict]:
         return servers_optimizer(cfg, params)
 
     def make_server(self, topo, comms, stats, **common):
@@ -69,8 +69,7 @@ def _sync_tier(common: dict) -> dict:
 
 def servers_optimizer(cfg, params) -> tuple[torch.optim.Optimizer, dict]:
     """The CLI with the optimizer on the global servers: the flags' spec (which may be
-    DCASGD, which torch lacks) goes to the servers; the workers' optimizer is only the handle
-    ``step()`` goes through, never stepped itself."""
+    DCASGD, which torch lacks) goes to the servers; the workers hold only a stand-in."""
     spec = make_spec(
         cfg.optimizer,
         cfg.effective_lr,
@@ -80,7 +79,20 @@ def servers_optimizer(cfg, params) -> tuple[torch.optim.Optimizer, dict]:
         cfg.dcasgd_lambda,
         cfg.dcasgd_adaptive,
     )
-    return torch.optim.SGD(params, lr=cfg.effective_lr), {"optimizer": spec_to_dict(spec)}
+    return ServerHeld(params), {"optimizer": spec_to_dict(spec)}
+
+
+class ServerHeld:
+    """The workers' stand-in for an optimizer the global servers hold (the CLI's): the model's
+    parameters in one group, never stepped here. Not a torch.optim object, whose first use
+    imports torch._dynamo: about 2 s of CPU on every worker."""
+
+    def __init__(self, params) -> None:
+        self.param_groups = [{"params": list(params)}]
+        self.state: dict = {}
+
+    def step(self) -> None:
+        raise RuntimeError("the global servers step this optimizer, not the workers")
 
 
 def spec_message(optimizer: torch.optim.Optimizer, who: str) -> dict:

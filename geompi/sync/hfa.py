@@ -80,7 +80,7 @@ class HFA(Algorithm):
     def server_spec(self, optimizer: torch.optim.Optimizer) -> dict | None:
         return {"outer": self.outer()}
 
-    def cli_optimizer(self, cfg, params) -> tuple[torch.optim.Optimizer, dict]:
+    def cli_optimizer(self, cfg, params) -> tuple[object, dict]:
         """Each worker's inner optimizer, from the same spec a global server would use."""
         spec = make_spec(
             cfg.optimizer, cfg.effective_lr, cfg.effective_momentum, cfg.weight_decay, cfg.nesterov

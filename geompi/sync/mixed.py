@@ -64,7 +64,7 @@ class MixedSync(Algorithm):
         )
         return {"optimizer": spec_to_dict(dcasgd)}
 
-    def cli_optimizer(self, cfg, params) -> tuple[torch.optim.Optimizer, dict]:
+    def cli_optimizer(self, cfg, params) -> tuple[object, dict]:
         return servers_optimizer(cfg, params)
 
     def make_server(self, topo, comms, stats, **common):
