@@ -125,10 +125,10 @@ def _validate(optimizer, model, sync, s, bucket_mb, max_grad_norm, passes, wan) 
             "use geompi.FSA(optimizer='servers'), 'hfa' or 'mixed' with compression, or drop "
             "wan_compression"
         )
-    if algo.on_servers and max_grad_norm is not None:
+    if algo.independent_dcs and max_grad_norm is not None:
         raise ConfigError(
-            f"max_grad_norm with the optimizer on the global servers ({algo.name}) is not "
-            "supported: clip on the workers with geompi.FSA() (the default placement)"
+            f"max_grad_norm with {algo.name} is not supported: each deposit is one datacenter's "
+            "gradient, not the global one; clip under geompi.FSA() or HFA"
         )
     from geompi.state import param_names
 
@@ -366,6 +366,8 @@ class Synchronizer:
         """The INIT round, once the servers know the job. ``extra_spec`` joins the servers'
         spec; ``send_restore(reqs)`` (the CLI's master, on resume) adds their saved state."""
         spec = {**(self.server_spec or {}), **(extra_spec or {})}
+        if self.server_side and self.max_grad_norm is not None:  # the servers clip (FSA)
+            spec["max_grad_norm"] = float(self.max_grad_norm)
         if self.server_side:
             held = {id(p): i for i, g in enumerate(self.opt.param_groups) for p in g["params"]}
             group_of = {id(p): held.get(id(p), -1) for p in self.params}

@@ -18,6 +18,7 @@ pytestmark = pytest.mark.mpi
 KINDS = ["sgd", "adam", "adamw", "rmsprop", "adagrad", "clip", "accum", "nosync"]
 KINDS += ["srv_sgd", "srv_adamw"]  # GeoMX's placement: the optimizer on the global servers
 KINDS += ["srv_groups_sgd", "srv_groups_adamw"]  # ... with two param groups and a schedule
+KINDS += ["srv_groups_clip"]  # ... and max_grad_norm, clipped by the global servers
 STEPS = 10
 
 
@@ -32,7 +33,7 @@ def fsa_2gs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def fsa_1gs(tmp_path_factory):
     out = tmp_path_factory.mktemp("api_fsa_1gs")
-    kinds = "sgd,clip,accum,srv_adamw,srv_groups_sgd"
+    kinds = "sgd,clip,accum,srv_adamw,srv_groups_sgd,srv_groups_clip"
     mpirun(9, ["-m", "mpi4py", prog("api_fsa.py"), str(out), "3,5", "1", kinds], 300)
     return out
 
@@ -59,7 +60,9 @@ def test_fsa_equals_one_process_on_the_concatenated_batches(fsa_2gs, kind):
     _check_fsa(fsa_2gs, kind)
 
 
-@pytest.mark.parametrize("kind", ["sgd", "clip", "accum", "srv_adamw", "srv_groups_sgd"])
+@pytest.mark.parametrize(
+    "kind", ["sgd", "clip", "accum", "srv_adamw", "srv_groups_sgd", "srv_groups_clip"]
+)
 def test_fsa_with_one_global_server(fsa_1gs, kind):
     _check_fsa(fsa_1gs, kind)
 

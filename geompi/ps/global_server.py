@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import torch
 
@@ -26,6 +27,7 @@ from geompi.ps.protocol import (
     FLAG_WEIGHT_FINAL,
     TAG_DATA,
     TAG_HEADER,
+    TAG_NORM,
     TAG_RESTORE,
     TAG_RESULT,
     TAG_SNAPSHOT,
@@ -73,6 +75,8 @@ class GlobalServer:
         self.presence_numel = 0  # the whole presence key: one copy per global server
         self._present: torch.Tensor | None = None  # this round's presence counts
         self.codec = codec  # compression of the global tier's data rounds (geompi.ps.wan)
+        # clip_grad_norm_ of the global gradient before the optimizer steps (FSA on the servers)
+        self.max_grad_norm: float | None = None
         self._recv_bufs = BufferPool()  # (local server, key position) -> its data
 
     def configure(self, spec: dict) -> None:
@@ -87,6 +91,8 @@ class GlobalServer:
             self.optimizer = ServerOptimizer(spec_from_dict(spec["optimizer"]), groups)
             for key, pieces in self.pieces.items():
                 self.optimizer.set_layout(key, pieces)
+        if "max_grad_norm" in spec:
+            self.max_grad_norm = float(spec["max_grad_norm"])
         if "outer" in spec:
             self.outer = spec["outer"]
         if spec.get("restore"):  # checkpointed state follows from the master worker
@@ -176,6 +182,15 @@ class GlobalServer:
         order = list(range(len(rnd.keys)))
         if pos is not None:
             order.insert(0, order.pop(pos))
+        # Clipping needs the norm over every key of every shard: step once all have arrived.
+        clip = (
+            self.max_grad_norm is not None
+            and rnd.op is Op.GRAD
+            and self.optimizer is not None
+            and not rnd.flags & (FLAG_RAW | FLAG_SUM)
+            and weight > 0
+        )
+        held: list[tuple[int, int, bool, torch.Tensor]] = []
         for i in order:
             key = rnd.keys[i][0]
             compressed = packed[i]
@@ -192,24 +207,59 @@ class GlobalServer:
                 total.add_(other)
             if compressed and rnd.op is Op.AVG:  # the pushes were relative to the replica
                 total.add_(self.codec.reference(key, sizes[i]), alpha=weight)
+            if clip and i != pos and key in self.values:
+                held.append((i, key, compressed, total.div_(weight)))  # the global gradient
+                continue
             if used or key not in self.values:
                 self.apply(rnd, key, total, weight)
-            if not sizes[i]:
-                continue
-            result = self.values[key] if i != pos else self.values[key][:0]  # none back
-            if compressed:
-                result = self.codec.encode_pull(key, result)
-                self._keep.append(result)
-            elif self.codec is not None and rnd.op is Op.INIT:
-                self.codec.set_replica(key, result)
-            for ls in range(d):
-                self.link.isend(reqs, result, ls, TAG_RESULT + i)
-            reqs.test()
+            self._send_result(reqs, rnd, i, pos, compressed, sizes[i])
+        if held:
+            coef = self._clip_coefficient([g for *_, g in held])
+            for i, key, compressed, grad in held:
+                self.apply(rnd, key, grad.mul_(coef), 1.0)  # already the average
+                self._send_result(reqs, rnd, i, pos, compressed, sizes[i])
         if self._restore is not None:
             self.restore(self._restore)
             self._restore = None
         reqs.wait()
         return rnd
+
+    def _send_result(
+        self, reqs: Requests, rnd: Round, i: int, pos: int | None, compressed: bool, size: int
+    ) -> None:
+        """The round's result for key position ``i`` to every local server."""
+        if not size:
+            return
+        key = rnd.keys[i][0]
+        result = self.values[key] if i != pos else self.values[key][:0]  # none back
+        if compressed:
+            result = self.codec.encode_pull(key, result)
+            self._keep.append(result)
+        elif self.codec is not None and rnd.op is Op.INIT:
+            self.codec.set_replica(key, result)
+        for ls in range(self.topo.num_dcs):
+            self.link.isend(reqs, result, ls, TAG_RESULT + i)
+        reqs.test()
+
+    def _clip_coefficient(self, grads: list[torch.Tensor]) -> float:
+        """``clip_grad_norm_``'s factor for the global gradient, whose slices the global servers
+        share: each sends the others its squared norm (a round among them, on global_comm)."""
+        mine = torch.zeros(1, dtype=torch.float64)
+        for g in grads:
+            mine += float(torch.linalg.vector_norm(g)) ** 2
+        ndc, me = self.topo.num_dcs, self.link.comm.Get_rank()
+        others = [ndc + g for g in range(self.topo.num_global_servers) if ndc + g != me]
+        theirs = torch.zeros(len(others), dtype=torch.float64)
+        reqs = Requests(self.stats, self.timeout, "the other global servers' gradient norms")
+        for j, o in enumerate(others):
+            self.link.isend(reqs, mine, o, TAG_NORM, control=True)
+            self.link.irecv(reqs, theirs[j : j + 1], o, TAG_NORM)
+        reqs.wait()
+        # every server adds the same numbers in the same order (by rank), so all agree exactly
+        parts = dict(zip(others, theirs.tolist()))
+        parts[me] = float(mine)
+        norm = math.sqrt(sum(parts[r] for r in sorted(parts)))
+        return min(1.0, self.max_grad_norm / (norm + 1e-6))
 
     def apply(
         self, rnd: Round, key: int, total: torch.Tensor, weight: float, dc: int | None = None

@@ -52,6 +52,7 @@ _WEIGHT = 2  # the weight's position in a header
 
 TAG_SNAPSHOT = 21  # on the world communicator: a global server's state -> the master worker
 TAG_RESTORE = 22  # on the world communicator: checkpointed state -> a global server
+TAG_NORM = 24  # on global_comm, between global servers: a shard's squared gradient norm
 TAG_HEADER = 11
 TAG_TRAILER = 13  # after a round's data: the sender's final weight (0: it skipped the round)
 TAG_SPEC = 12

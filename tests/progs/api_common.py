@@ -126,7 +126,7 @@ def reference(kind: str, workers: int, steps: int, seed: int = 1) -> dict[str, t
                 outs.append(model(x, use_extra(w, t)))
                 ys.append(y)
         loss_fn(torch.cat(outs), torch.cat(ys)).backward()
-        if kind == "clip":
+        if kind.endswith("clip"):
             with_grad = [p for p in model.parameters() if p.grad is not None]
             torch.nn.utils.clip_grad_norm_(with_grad, CLIP)
         opt.step()

@@ -28,7 +28,7 @@ for kind in kinds:
         if kind.startswith("srv_")
         else "fsa",
         bucket_mb=0.002,  # several buckets
-        max_grad_norm=CLIP if kind == "clip" else None,
+        max_grad_norm=CLIP if kind.endswith("clip") else None,
         backward_passes_per_step=MICRO[kind] if kind == "accum" else 1,
     )
     loss_fn = torch.nn.CrossEntropyLoss()
