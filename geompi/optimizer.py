@@ -91,7 +91,7 @@ def DistributedOptimizer(  # noqa: N802 - a factory named like the class it retu
 
 def wrap(optimizer: torch.optim.Optimizer, engine: Synchronizer) -> torch.optim.Optimizer:
     """Swap ``optimizer``'s class in place for one whose ``step()`` runs through ``engine``
-    (what DistributedOptimizer and the CLI's training loop both use)."""
+    (DistributedOptimizer's; the CLI's loop calls the engine itself)."""
     base = type(optimizer)
     optimizer._geompi_base = base  # what server_spec reads after the class swap
     optimizer.__class__ = type(f"Distributed{base.__name__}", (_Distributed, base), {})
@@ -210,10 +210,10 @@ def layout_spec(buckets: Buckets, group_of: dict[int, int] | None = None) -> lis
     piece). ``group_of`` (``id(p)`` -> the optimizer's param group, -1 if it holds none): a
     fourth element per parameter, where it is not all group 0."""
     group_of = group_of or {}
+    grouped = bool(set(group_of.values()) - {0})  # once, not per parameter
 
     def entry(name, p, off):
-        g = group_of.get(id(p), 0)
-        return [name, off, p.numel(), g] if set(group_of.values()) - {0} else [name, off, p.numel()]
+        return [name, off, p.numel(), group_of.get(id(p), 0)] if grouped else [name, off, p.numel()]
 
     return [[b.key, [entry(name, p, off) for name, p, off in b.members]] for b in buckets]
 
