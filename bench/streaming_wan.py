@@ -15,10 +15,11 @@ and 1 Gbit/s, both 50 ms one way.
   ones, so they get the room to reach FSA's loss, and their time to it is measured).
 - The target loss is FSA's final loss (the mean of its last 8 steps); a method's steps to the
   target are the first step whose 8-step mean is at or below it.
-- WAN data bytes come from the local servers' counters (``opt.close()``'s report); the bytes to
-  the target are the run's bytes times the share of its steps needed (they accrue evenly by
-  datacenter round). Peak bytes per datacenter round: the most one local server sent up in one
-  round. Utilisation: 1 - (a worker's wait in MPI) / (its wall time), averaged over workers.
+- WAN data bytes are what the local servers sent up (``opt.close()``'s
+  ``wan_data_up_bytes``); the bytes to the target are the run's bytes times the share of its
+  steps needed (they accrue evenly by datacenter round). Peak bytes per datacenter round: the
+  most one local server sent up in one round. Utilisation: 1 - (a worker's wait in MPI) /
+  (its wall time), averaged over workers.
 
 Writes bench/results/streaming_wan.json (and a plot, with matplotlib, afterwards).
 """
@@ -114,7 +115,7 @@ def run(method: str, link: str, steps: int) -> dict:
         "steps": steps,
         "loss": losses,  # the master worker's, per step
         "wall_s": walls,
-        "wan_data_bytes": report["wan_data_bytes"],
+        "wan_data_bytes": report["wan_data_up_bytes"],
         "peak_round_wan_bytes": report["peak_round_wan_bytes"],
         "utilisation": statistics.mean(util),
     }

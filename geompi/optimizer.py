@@ -29,7 +29,7 @@ from geompi.comm.buffers import all_finite
 from geompi.comm.transport import LAN, Link, LinkStats, worker_timeout
 from geompi.errors import ConfigError, GeompiError, NonFiniteError
 from geompi.ps.client import PSClient
-from geompi.ps.protocol import FLAG_PRESENCE, FLAG_RAW, Op, presence_payload
+from geompi.ps.protocol import FLAG_MEAN, FLAG_PRESENCE, FLAG_RAW, Op, presence_payload
 from geompi.sync import FSA, HFA, Algorithm, MixedSync, resolve
 
 
@@ -279,10 +279,11 @@ class Synchronizer:
         device = self.params[0].device if self.params else torch.device("cpu")
         nbuf = sum(b.numel() for b in self.float_buffers)
         # The extra key after the buckets. FSA: [samples, per-parameter "had a gradient",
-        # buffers x samples]; HFA: [buffers x weight]; MixedSync: none (buffers stay local).
-        # Where the global servers step (FSA's "servers" placement, MixedSync): the presence
-        # key instead, per parameter 1 from each worker with a gradient, one copy per global
-        # server (geompi.sync.fsa); its layout travels in the INIT spec.
+        # buffers x samples]; HFA: [buffers x weight]. Where the global servers step (FSA's
+        # "servers" placement, MixedSync): buffers x samples as a mean key (FLAG_MEAN: the
+        # servers average it, MixedSync's per datacenter until the end), then the presence key,
+        # per parameter 1 from each worker with a gradient, one copy per global server
+        # (geompi.sync.fsa); its layout travels in the INIT spec.
         self.server_side = algo.on_servers
         # FSA's default placement: every worker steps on the global gradient
         self.grads_to_workers = not algo.on_servers and not algo.local_steps
@@ -293,9 +294,17 @@ class Synchronizer:
         }
         self.present_out = torch.zeros(g * len(self.params))
         self.trainable = [sum(p.requires_grad for _, p, _ in b.members) for b in self.buckets]
-        self.sent_spec = server_spec  # what the servers' optimizer last heard
-        if self.server_side:
-            self.aux_len = 0
+        # Who tells the servers of a hyperparameter change: the master worker, and under
+        # MixedSync each datacenter's first worker, since each deposit is stepped with its own
+        # datacenter's hyperparameters (the datacenters are at different steps of a schedule).
+        dc = session.topo.dc_of(session.rank)
+        first = session.topo.workers(dc)[0] == session.rank if dc is not None else False
+        self.spec_sender = self.master or (algo.independent_dcs and first)
+        # what the servers' optimizer last heard from this worker (the INIT spec is the
+        # master's, so another datacenter's first worker sends its own with its first round)
+        self.sent_spec = server_spec if self.master else None
+        if self.server_side:  # the mean key: buffers x samples (FLAG_MEAN)
+            self.aux_len = nbuf
         elif self.grads_to_workers:
             self.aux_len = 1 + len(self.params) + nbuf
         elif algo.local_steps:
@@ -332,11 +341,17 @@ class Synchronizer:
     def aux_key(self) -> int:
         return len(self.buckets)
 
-    def keys(self) -> list[tuple[int, int]]:
+    @property
+    def presence_key(self) -> int:
+        """Where the servers step: the presence key, after the mean key (if any), last."""
+        return self.aux_key + (1 if self.aux_len else 0)
+
+    def keys(self, presence: bool = True) -> list[tuple[int, int]]:
         keys = self.buckets.keys
-        if self.server_side:
-            return keys + [(self.aux_key, self.present_out.numel())]
-        return keys + [(self.aux_key, self.aux_len)] if self.aux_len else keys
+        keys = keys + [(self.aux_key, self.aux_len)] if self.aux_len else keys
+        if self.server_side and presence:
+            keys = keys + [(self.presence_key, self.present_out.numel())]
+        return keys
 
     def _pack_buffers(self, out: torch.Tensor, scale: float) -> None:
         off = 0
@@ -371,7 +386,7 @@ class Synchronizer:
         if self.server_side:
             held = {id(p): i for i, g in enumerate(self.opt.param_groups) for p in g["params"]}
             group_of = {id(p): held.get(id(p), -1) for p in self.params}
-            spec.update(layout=layout_spec(self.buckets, group_of), presence_key=self.aux_key)
+            spec.update(layout=layout_spec(self.buckets, group_of), presence_key=self.presence_key)
         self.init_round(spec, send_restore)
         self.stats.reset_time()  # the report's waits and wall time cover training, not INIT
         self.t_start = time.perf_counter()
@@ -431,10 +446,14 @@ class Synchronizer:
         if self.average_due:
             self._average_now()
         if self.algo.independent_dcs:  # the datacenters end apart: the model at the end
-            reqs = self.client.start(Op.STOP, self.buckets.keys)
+            reqs = self.client.start(Op.STOP, self.keys(presence=False))
             for b in self.buckets:
                 self.client.pull(reqs, b.params)
+            if self.aux_len:  # and the datacenters' buffers, averaged
+                self.client.pull(reqs, self.aux_recv)
             reqs.wait()
+            if self.aux_len:
+                self._unpack_buffers(self.aux_recv, 1.0)
         else:
             self.client.stop()
         if not report:
@@ -512,14 +531,17 @@ class Synchronizer:
             b.grads.zero_()
         self.present_g.zero_()
         flags = FLAG_PRESENCE if self.server_side else FLAG_RAW
+        if self.server_side and self.aux_len:  # buffers: a sample-weighted mean
+            flags |= FLAG_MEAN
         self.reqs = self.client.start(
             Op.GRAD, self.keys(), self.weight, flags=flags, spec=self._changed_spec()
         )
 
     def _changed_spec(self) -> bytes | None:
-        """FSA with the optimizer on the servers: the user's hyperparameters (an lr schedule)
-        travel with the next round whenever they changed, so the servers follow them."""
-        if not (self.master and self.server_side and self.follow_hyperparameters):
+        """The optimizer on the servers (FSA's "servers" placement, MixedSync): the user's
+        hyperparameters (an lr schedule) travel with the next round whenever they changed, so
+        the servers follow them."""
+        if not (self.spec_sender and self.server_side and self.follow_hyperparameters):
             return None
         now = self.algo.server_spec(self.opt)
         if now == self.sent_spec:
@@ -562,9 +584,14 @@ class Synchronizer:
                 self.client.pull(self.reqs, out)
             self.client.pull(self.reqs, self.aux_recv)
         else:  # the servers stepped: the new parameters land in the model
+            if self.aux_len:
+                self._pack_buffers(self.aux_send, self.weight)
+                self.client.push(self.reqs, self.aux_send)
             self.client.push(self.reqs, presence_payload(self.present_g.view(-1)))
             for b in self.buckets:
                 self.client.pull(self.reqs, b.params)
+            if self.aux_len:
+                self.client.pull(self.reqs, self.aux_recv)
             self.client.pull(self.reqs, self.present_out)
         self.reqs.wait()
         self.reqs = None
@@ -572,6 +599,8 @@ class Synchronizer:
         self.samples, self.passes_done, self.explicit_samples = 0, 0, None
         self.global_syncs += 1
         if not fsa:
+            if self.aux_len:  # the servers' mean of the buffers
+                self._unpack_buffers(self.aux_recv, 1.0)
             return
         total = float(self.aux_recv[0])
         counts = self.aux_recv[1 : 1 + len(self.params)].tolist()

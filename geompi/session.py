@@ -189,9 +189,11 @@ def gather_report(s: Session, mine: dict) -> dict | None:
     local = by_role.get(Role.LOCAL_SERVER.name, [])
     workers = by_role.get(Role.WORKER.name, [])
     glob = by_role.get(Role.GLOBAL_SERVER.name, [])
-    return {
-        "wan_bytes": sum(r["wan_bytes"] for r in local),
-        "wan_data_bytes": sum(r["wan_data_bytes"] for r in local),
+    return {  # both directions, as the CLI's summary counts them, and the uplinks apart
+        "wan_bytes": sum(r["wan_bytes"] for r in ranks),
+        "wan_data_bytes": sum(r["wan_data_bytes"] for r in ranks),
+        "wan_up_bytes": sum(r["wan_bytes"] for r in local),
+        "wan_data_up_bytes": sum(r["wan_data_bytes"] for r in local),
         "global_in_bytes": sum(r["wan_received_bytes"] for r in glob),
         "lan_bytes": sum(r["lan_bytes"] for r in ranks),
         "peak_round_wan_bytes": max((r.get("peak_round_wan_bytes", 0) for r in local), default=0),

@@ -67,13 +67,14 @@ def test_fsa_with_one_global_server(fsa_1gs, kind):
     _check_fsa(fsa_1gs, kind)
 
 
-MIXED_KINDS = ["mixed_sgd", "mixed_adamw"]  # two param groups each, no schedule
+MIXED_KINDS = ["mixed_sgd", "mixed_adamw"]  # two param groups and a schedule each
 
 
 @pytest.fixture(scope="module")
 def mixed_1dc(tmp_path_factory):
     """MixedSync with one datacenter (3 workers) and 2 global servers: nothing is asynchronous,
-    so every deposit is one step of the servers' optimizer on the datacenter's gradient."""
+    so every deposit is one step of the servers' optimizer on the datacenter's gradient, with
+    the hyperparameters the worker's schedule gave that step."""
     out = tmp_path_factory.mktemp("api_mixed_1dc")
     mpirun(6, ["-m", "mpi4py", prog("api_fsa.py"), str(out), "4", "2", ",".join(MIXED_KINDS)], 300)
     return out
@@ -190,6 +191,54 @@ def test_buffers_are_identical_and_sample_weighted(buffers_run):
     assert torch.allclose(got, mean, atol=1e-6), (got, mean)
 
 
+def _bn_mean(workers, steps=6):
+    """The running mean of a BatchNorm (momentum 0.2) on the raw input, fed the concatenated
+    batches of ``workers``, in one process."""
+    from tests.progs.api_common import batch
+
+    mean = torch.zeros(10)
+    for t in range(steps):
+        mean = 0.8 * mean + 0.2 * torch.cat([batch(w, t)[0] for w in workers]).mean(0)
+    return mean
+
+
+def test_buffers_where_the_servers_step(buffers_run):
+    """FSA(optimizer="servers"): every step's buffers are the mean over all workers.
+    MixedSync (datacenters of 2 and 3 workers): each datacenter's are its own workers' mean,
+    and after close every worker holds the datacenters' means weighted by their samples."""
+    from tests.progs.api_common import batch_size
+
+    dcs = [[0, 1], [2, 3, 4]]
+    n = [sum(batch_size(w, 5) for w in members) for members in dcs]  # each's last deposit
+    final = (n[0] * _bn_mean(dcs[0]) + n[1] * _bn_mean(dcs[1])) / sum(n)
+    assert not torch.allclose(_bn_mean(dcs[0]), _bn_mean(dcs[1]), atol=1e-3)  # it can fail
+    for wan in ("", "-int8"):  # int8 on the WAN: the mean key still travels exactly
+        for tag in (f"bn-srv{wan}-before-close", f"bn-srv{wan}", f"bn-mixed{wan}"):
+            runs = _load(buffers_run, tag)
+            for r in runs[1:]:
+                for k, v in runs[0]["model"].items():
+                    assert torch.equal(v, r["model"][k]), (tag, k)
+        srv = _load(buffers_run, f"bn-srv{wan}")[0]["model"]["bn.running_mean"]
+        assert torch.allclose(srv, _bn_mean(range(MISC_WORKERS)), atol=1e-6), wan
+        before = _load(buffers_run, f"bn-mixed{wan}-before-close")
+        for members in dcs:
+            want = _bn_mean(members)
+            for w in members:
+                got = before[w]["model"]["bn.running_mean"]
+                assert torch.allclose(got, want, atol=1e-6), (wan, w)
+        got = _load(buffers_run, f"bn-mixed{wan}")[0]["model"]["bn.running_mean"]
+        assert torch.allclose(got, final, atol=1e-6), (wan, got, final)
+
+
+def test_close_reports_wan_bytes_both_ways(buffers_run):
+    """The synchronous tier sends every slice back as it came (no compression, every
+    parameter present): the job's WAN data bytes are twice what the local servers sent up."""
+    report = _load(buffers_run, "bn-srv")[0]["report"]
+    assert report["wan_data_up_bytes"] > 0
+    assert report["wan_data_bytes"] == 2 * report["wan_data_up_bytes"], report
+    assert report["wan_bytes"] > report["wan_data_bytes"]  # headers and trailers too
+
+
 def test_load_restores_model_and_optimizer_and_resumes_bitwise(buffers_run):
     saved, loaded = _load(buffers_run, "at3")[0], _load(buffers_run, "loaded")[0]
     for k, v in saved["model"].items():
@@ -273,6 +322,17 @@ def test_mixedsync_trains_the_users_sgd_and_dcasgd(tmp_path):
         for r in runs:
             first, last = sum(r["losses"][:5]) / 5, sum(r["losses"][-5:]) / 5
             assert last < 0.9 * first, (name, first, last)
+    # A deposit is stepped with its own datacenter's hyperparameters: datacenter 1's schedule
+    # keeps its lr at 0 (plain SGD: no step moves anything), datacenter 0's decays. Whatever
+    # the order of deposits, the final model is datacenter 0's 2 workers alone, in one process.
+    from tests.progs.api_common import PERDC_STEPS
+
+    ref = reference("mixed_perdc", 2, PERDC_STEPS)
+    init = make_model(1).state_dict()
+    for r in _load(tmp_path, "mixed-perdc"):
+        got = r["model"]
+        assert max(float((got[k] - ref[k]).abs().max()) for k in ref) <= 1e-5
+        assert max(float((got[k] - init[k]).abs().max()) for k in ref) > 1e-3
 
 
 @pytest.mark.parametrize(

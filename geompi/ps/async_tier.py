@@ -47,7 +47,18 @@ from geompi.comm.transport import (
 from geompi.errors import ConfigError, ProtocolError
 from geompi.ps.global_server import GlobalServer
 from geompi.ps.local_server import SyncUplink
-from geompi.ps.protocol import FLAG_PRESENCE, MAX_KEYS, Op, Round, presence_position
+from geompi.ps.optim import spec_from_dict
+from geompi.ps.protocol import (
+    FLAG_PRESENCE,
+    FLAG_SPEC,
+    MAX_KEYS,
+    TAG_DEPOSIT_SPEC,
+    Op,
+    Round,
+    mean_position,
+    plain_positions,
+    presence_position,
+)
 from geompi.ps.wan import TierCodec
 
 
@@ -150,6 +161,7 @@ class AsyncUplink:
             return
         self._open()
         self.bufs: list[torch.Tensor | None] = [None] * len(rnd.keys)
+        self.spec = spec  # new hyperparameters from the datacenter's first worker, or None
 
     def send_key(self, i: int, buf: torch.Tensor) -> None:
         if self.rnd.op is Op.INIT:
@@ -163,11 +175,20 @@ class AsyncUplink:
             return
         self._respect_staleness()
         keys, bufs, flags = self.rnd.keys, self.bufs, self.rnd.flags
-        plain = presence_position(self.rnd)
-        if plain is not None and not bufs[plain].numel():  # all present: deposit no presence
-            keys, bufs, flags, plain = keys[:plain], bufs[:plain], flags & ~FLAG_PRESENCE, None
+        pos = presence_position(self.rnd)
+        if pos is not None and not bufs[pos].numel():  # all present: deposit no presence
+            keys, bufs, flags = keys[:pos], bufs[:pos], flags & ~FLAG_PRESENCE
+        plain = plain_positions(Round(Op.GRAD, 0, keys, 0.0, 0, flags))
         ids = [k for k, _ in keys]
         packed = [self._pack(g, keys, bufs, plain) for g in range(len(self.wins))]
+        if self.spec:  # ahead of the deposit: its owner receives it when it applies it
+            flags |= FLAG_SPEC
+            self.spec_sends = Requests(self.sync.link.stats, self.sync.timeout, "a spec")
+            for win in self.wins:
+                isend_state(
+                    self.spec_sends, self.sync.link.comm, self.spec.decode(), win.owner,
+                    TAG_DEPOSIT_SPEC, self.sync.link.stats,
+                )  # fmt: skip
         if self.sync.codec is not None:  # weight 0: the global servers skip this deposit
             self.sync.codec.end_push(weight > 0)
         wan = self.sync.wan  # an emulated link releases the deposits one after the other
@@ -183,12 +204,15 @@ class AsyncUplink:
         keys, burst = self.rnd.keys, []
         if presence_position(self.rnd) is not None:  # the workers need no presence back
             keys = keys[:-1]
+        plain = {mean_position(self.rnd)} - {None}  # the mean comes back exactly
         for g, win in enumerate(self.wins):
             win.wait_until(lambda c: per_dc(c, self.dc, PENDING) == 0, "its update")
-            packed = torch.empty(self._packed_len(g, keys, self.sync.codec))
+            packed = torch.empty(self._packed_len(g, keys, self.sync.codec, plain))
             win.fetch(self.dc, packed.numpy())
             self._hold_fetch(burst, packed.numel() * 4)
-            self._unpack(g, keys, outs, packed, self.sync.codec)
+            self._unpack(g, keys, outs, packed, self.sync.codec, plain)
+        if self.spec:  # applied, so received
+            self.spec_sends.wait()
         return [Requests(self.sync.link.stats) for _ in outs]  # already complete
 
     def _hold_fetch(self, burst: list[float], nbytes: int) -> None:
@@ -264,15 +288,15 @@ class AsyncUplink:
             lo, hi = self.topo.shard_bounds(n, g)
             yield (k, g), buf[lo:hi]
 
-    def _packed_len(self, g: int, keys, codec: TierCodec | None, plain: int | None = None) -> int:
+    def _packed_len(self, g: int, keys, codec: TierCodec | None, plain=frozenset()) -> int:
         sizes = [hi - lo for lo, hi in (self.topo.shard_bounds(n, g) for _, n in keys)]
         return max(
             1, sum(region_bytes(_codec(codec, i, plain), m) for i, m in enumerate(sizes)) // 4
         )
 
-    def _pack(self, g: int, keys, bufs, plain: int | None) -> torch.Tensor:
-        """This round's slices for global server g, compressed when the tier is (except key
-        ``plain``, a presence key), as fp32."""
+    def _pack(self, g: int, keys, bufs, plain: set[int]) -> torch.Tensor:
+        """This round's slices for global server g, compressed when the tier is (except the
+        keys at positions ``plain``: presence and mean), as fp32."""
         out = torch.zeros(self._packed_len(g, keys, self.sync.codec, plain))
         raw, off = out.view(torch.uint8), 0
         for i, (rkey, piece) in enumerate(self._slices(g, keys, bufs)):
@@ -283,23 +307,25 @@ class AsyncUplink:
             off += region_bytes(codec, piece.numel())
         return out
 
-    def _unpack(self, g: int, keys, bufs, packed: torch.Tensor, codec) -> None:
+    def _unpack(self, g: int, keys, bufs, packed: torch.Tensor, codec, plain=frozenset()) -> None:
         raw, off = packed.view(torch.uint8), 0
-        for rkey, piece in self._slices(g, keys, bufs):
+        for i, (rkey, piece) in enumerate(self._slices(g, keys, bufs)):
             m = piece.numel()
-            if codec is None:
+            codec_i = _codec(codec, i, plain)
+            if codec_i is None:
                 piece.copy_(raw[off : off + 4 * m].view(torch.float32))
             else:
                 codec.decode_pull(rkey, raw[off : off + codec.nbytes(m)], piece)
-            off += region_bytes(codec, m)
+            off += region_bytes(codec_i, m)
 
 
 TAG_CUT = 23  # on global_comm, between global servers: the deposits each has applied
 
 
-def _codec(codec: TierCodec | None, i: int, plain: int | None) -> TierCodec | None:
-    """Key ``i``'s codec: none for the presence key, which travels exactly."""
-    return None if i == plain else codec
+def _codec(codec: TierCodec | None, i: int, plain) -> TierCodec | None:
+    """Key ``i``'s codec: none for the keys at positions ``plain`` (presence and mean), which
+    travel exactly."""
+    return None if i in plain else codec
 
 
 class AsyncGlobalServer(GlobalServer):
@@ -340,6 +366,13 @@ class AsyncGlobalServer(GlobalServer):
         self.staleness = StalenessStats(self.topo.num_dcs)  # bounded, however long the run
         self.last_version = [0] * self.topo.num_dcs
         self.applied = [0] * self.topo.num_dcs  # deposits applied per datacenter (this run)
+        # Each datacenter's deposits are stepped with its own hyperparameters: the job's
+        # until its first worker sends new ones (FLAG_SPEC), as a schedule changes them.
+        opt = self.optimizer
+        self.job_hyper = None if opt is None else (opt.spec, opt.groups)
+        self.dc_hyper: dict[int, tuple] = {}
+        self.dc_means: dict[int, dict[int, tuple[float, torch.Tensor]]] = {}  # key -> dc ->
+        self.mean_init: dict[int, torch.Tensor] = {}
         # applied order: what GEOMPI_TEST_DEPOSIT_LOG writes (kept only then: it grows)
         self.deposits: list[dict] | None = [] if os.environ.get("GEOMPI_TEST_DEPOSIT_LOG") else None
         self._serve_async()
@@ -432,15 +465,17 @@ class AsyncGlobalServer(GlobalServer):
         weight, flags = per_dc(ctrl, d, WEIGHT), int(per_dc(ctrl, d, FLAGS))
         slot = torch.from_numpy(win.slot(d)).view(torch.uint8)
         rnd = Round(Op.GRAD, 0, [(k, 0) for k in keys], weight, 0, flags)
-        plain = presence_position(rnd)
+        pos, mean = presence_position(rnd), mean_position(rnd)
         regions, off = [], 0  # (key, offset in the slot, codec), presence first
         for i, k in enumerate(keys):
-            codec = _codec(self.codec, i, plain)
+            codec = _codec(self.codec, i, plain_positions(rnd))
             regions.append((k, off, codec))
             off += region_bytes(codec, self.offsets[k][1])
-        if plain is not None:
-            regions.insert(0, regions.pop(plain))
+        mean_key = None if mean is None else keys[mean]
+        if pos is not None:
+            regions.insert(0, regions.pop(pos))
         self._present = None
+        self._use_hyperparameters(d, flags)
         win.data_lock()
         version = int(win.ctrl[VERSION])
         for k, at, codec in regions:
@@ -449,9 +484,13 @@ class AsyncGlobalServer(GlobalServer):
                 total = slot[at : at + 4 * n].view(torch.float32).clone()
             else:
                 total = codec.decode_push(slot[at : at + codec.nbytes(n)].clone(), n)
-            self.apply(rnd, k, total, weight, dc=d)
+            if k == mean_key:
+                self.apply_mean(k, total, weight, dc=d)
+            else:
+                self.apply(rnd, k, total, weight, dc=d)
             result = self.values[k] if codec is None else codec.encode_pull((k, d), self.values[k])
-            self._pulled(k, d)  # also after a skipped (weight 0) deposit: d fetches w anyway
+            if k != mean_key:  # also after a skipped (weight 0) deposit: d fetches w anyway
+                self._pulled(k, d)
             result = result.contiguous().view(torch.uint8)
             slot[at : at + result.numel()] = result
         win.data_unlock()
@@ -467,6 +506,46 @@ class AsyncGlobalServer(GlobalServer):
         win.unlock_self()
         self.last_version[d] = version + 1
         self.applied[d] += 1
+
+    def apply_mean(self, key: int, total: torch.Tensor, weight: float, dc=None) -> None:
+        """A datacenter's buffers (a mean key): kept per datacenter, and what it fetches back
+        is its own mean, so its buffers follow its own data as in one synchronous datacenter.
+        The final model carries their sample-weighted mean (``_publish_final``)."""
+        init = self.mean_init.setdefault(key, self.values[key].clone())  # only changed here
+        means = self.dc_means.setdefault(key, {})
+        if weight > 0:  # weight 0: a skipped deposit keeps what the datacenter had
+            means[dc] = (weight, total / weight)
+        self.values[key].copy_(means[dc][1] if dc in means else init)
+
+    def _final_means(self) -> None:
+        """Every mean key's value becomes the datacenters' latest means, weighted by the
+        samples of the deposit that brought each (in datacenter order, so every owner agrees)."""
+        for key, means in self.dc_means.items():
+            if means:
+                total = sum(w for w, _ in means.values())
+                value = sum(m * (w / total) for _, (w, m) in sorted(means.items()))
+                self.values[key].copy_(value)
+
+    def _use_hyperparameters(self, d: int, flags: int) -> None:
+        """Step datacenter d's deposit with its own hyperparameters (received first, if this
+        deposit brings new ones)."""
+        if flags & FLAG_SPEC:
+            text = recv_state(
+                self.link.comm, d, TAG_DEPOSIT_SPEC, self.stats,
+                live_timeout(getattr(self, "timeout", None)),
+                f"the hyperparameters of datacenter {d}",
+            )  # fmt: skip
+            if not isinstance(text, str):
+                raise ProtocolError(f"datacenter {d} sent hyperparameters that are not JSON text")
+            spec = json.loads(text)
+            groups = [spec_from_dict(g) for g in spec.get("groups") or []] or None
+            main = spec_from_dict(spec["optimizer"])
+            self.dc_hyper[d] = (main, groups or [main])
+        if self.optimizer is None:
+            return
+        want = self.dc_hyper.get(d, self.job_hyper)
+        if want != (self.optimizer.spec, self.optimizer.groups):
+            self.optimizer.update(*want)
 
     def _pulled(self, k: int, d: int) -> None:
         """Tell the optimizer what datacenter d holds of key k now: with a codec its replica
@@ -490,6 +569,7 @@ class AsyncGlobalServer(GlobalServer):
     def _publish_final(self) -> None:
         """Every slot gets the final parameters, then ALL_DONE releases the local servers."""
         win = self.win
+        self._final_means()
         win.data_lock()
         for d in range(self.topo.num_dcs):
             slot = torch.from_numpy(win.slot(d))

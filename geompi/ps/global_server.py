@@ -39,6 +39,8 @@ from geompi.ps.protocol import (
     clear_beyond_wire,
     expect_presence,
     header_len,
+    mean_position,
+    plain_positions,
     presence_position,
     received_presence,
     sender_weights,
@@ -151,8 +153,9 @@ class GlobalServer:
         self._keep: list[torch.Tensor] = []  # payloads alive until their sends complete
         self._present = None
         pos = presence_position(rnd)  # never compressed; read first, it says what to step
+        mean = mean_position(rnd)  # buffers: averaged, never stepped or compressed
         codec_round = self.codec is not None and rnd.op in (Op.GRAD, Op.AVG)
-        packed = [codec_round and i != pos for i in range(len(rnd.keys))]
+        packed = [codec_round and i not in plain_positions(rnd) for i in range(len(rnd.keys))]
         sizes = [self._slice_len(n) for _, n in rnd.keys]
         incoming = [
             [
@@ -207,10 +210,12 @@ class GlobalServer:
                 total.add_(other)
             if compressed and rnd.op is Op.AVG:  # the pushes were relative to the replica
                 total.add_(self.codec.reference(key, sizes[i]), alpha=weight)
-            if clip and i != pos and key in self.values:
+            if clip and i not in (pos, mean) and key in self.values:
                 held.append((i, key, compressed, total.div_(weight)))  # the global gradient
                 continue
-            if used or key not in self.values:
+            if i == mean and key in self.values:
+                self.apply_mean(key, total, weight)
+            elif used or key not in self.values:
                 self.apply(rnd, key, total, weight)
             self._send_result(reqs, rnd, i, pos, compressed, sizes[i])
         if held:
@@ -287,6 +292,12 @@ class GlobalServer:
         elif rnd.op is Op.AVG:
             self.updates += 1
             outer_step(value, total.div_(weight), self.outer, self.outer_state.setdefault(key, {}))
+
+    def apply_mean(self, key: int, total: torch.Tensor, weight: float, dc=None) -> None:
+        """A mean key (the workers' buffers times their weight): the sample-weighted mean of
+        the round; a round every datacenter skipped (weight 0) keeps the last one."""
+        if weight > 0:
+            self.values[key].copy_(total.div_(weight))
 
     def _presence(self, key: int) -> list[bool] | None:
         """Per piece of ``key``: whether any worker's gradient for it exists this round."""

@@ -30,6 +30,7 @@ from geompi.ps.protocol import (
     agree,
     expect_presence,
     header_len,
+    plain_positions,
     presence_payload,
     presence_position,
     received_presence,
@@ -76,7 +77,7 @@ class SyncUplink:
         """Whether this round's data (key ``i`` of it) travels compressed: not a presence key."""
         if self.codec is None or self.rnd.op not in (Op.GRAD, Op.AVG):
             return False
-        return i is None or i != presence_position(self.rnd)
+        return i is None or i not in plain_positions(self.rnd)
 
     # ---- sends, through the emulated link when there is one -----------------------------
     def _send(self, reqs: Requests, t: torch.Tensor, dest: int, tag: int, control=False) -> None:

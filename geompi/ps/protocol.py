@@ -44,6 +44,15 @@ FLAG_RAW = 8
 # A sender whose every count is > 0 sends it empty (see presence_payload): a round in which
 # every parameter has a gradient costs no extra bytes, and no result goes back.
 FLAG_PRESENCE = 16
+# GRAD, MixedSync: the depositing datacenter's hyperparameters changed (an lr schedule). Its
+# local server sent them to each global server (a state message, TAG_DEPOSIT_SPEC) before the
+# deposit; the global server receives them when it applies the deposit and steps with them.
+FLAG_SPEC = 32
+# GRAD: the key before the presence key (or the last key) is a sample-weighted mean, not a
+# gradient: the workers' buffers (BatchNorm statistics) times their weight. Servers never step or
+# compress it; a global server divides the sum by the round's weight. MixedSync's keeps each
+# datacenter's mean apart and publishes their sample-weighted mean with the final model.
+FLAG_MEAN = 64
 _NOTHING = -1.0  # what a presence buffer holds when an empty message arrived in it
 
 MAX_KEYS = 256
@@ -53,6 +62,7 @@ _WEIGHT = 2  # the weight's position in a header
 TAG_SNAPSHOT = 21  # on the world communicator: a global server's state -> the master worker
 TAG_RESTORE = 22  # on the world communicator: checkpointed state -> a global server
 TAG_NORM = 24  # on global_comm, between global servers: a shard's squared gradient norm
+TAG_DEPOSIT_SPEC = 25  # on global_comm: a datacenter's new hyperparameters (FLAG_SPEC)
 TAG_HEADER = 11
 TAG_TRAILER = 13  # after a round's data: the sender's final weight (0: it skipped the round)
 TAG_SPEC = 12
@@ -114,6 +124,18 @@ class Round:
 def presence_position(rnd: Round) -> int | None:
     """The position of the round's presence key (FLAG_PRESENCE), else None."""
     return len(rnd.keys) - 1 if rnd.flags & FLAG_PRESENCE and rnd.keys else None
+
+
+def mean_position(rnd: Round) -> int | None:
+    """The position of the round's mean key (FLAG_MEAN): just before the presence key."""
+    if not rnd.flags & FLAG_MEAN or not rnd.keys:
+        return None
+    return len(rnd.keys) - (2 if rnd.flags & FLAG_PRESENCE else 1)
+
+
+def plain_positions(rnd: Round) -> set[int]:
+    """The keys of a round that travel exactly, never compressed: presence and mean."""
+    return {i for i in (presence_position(rnd), mean_position(rnd)) if i is not None}
 
 
 def presence_payload(counts: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,9 @@ Worker side: as FSA with the optimizer on the servers (gradient buckets pushed f
 hooks, parameters pulled after); at the end every worker receives the final global model.
 Server side: the local server deposits its datacenter's gradient into the global servers' RMA
 windows and fetches the parameters its own update produced, without waiting for the other
-datacenters; the global servers step (the allow-list, or DCASGD) on each deposit.
+datacenters; the global servers step (the allow-list, or DCASGD) on each deposit, with the
+hyperparameters of the datacenter that made it (its first worker sends them when a schedule
+changes them, as a counted control message ahead of the deposit).
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ class MixedSync(Algorithm):
 
     name: ClassVar[str] = "mixed"
     independent_dcs: ClassVar[bool] = True
+    # Each datacenter's first worker sends its hyperparameters when they change; a deposit is
+    # stepped with its own datacenter's (geompi.ps.async_tier).
+    follows_hyperparameters: ClassVar[bool] = True
     dcasgd: bool = False  # delay-compensated SGD with the user's SGD learning rate
     dcasgd_lambda: float = 0.04
     dcasgd_adaptive: bool = False

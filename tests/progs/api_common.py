@@ -72,15 +72,22 @@ def param_groups(model: Net, kind: str) -> list[dict]:
     return [{"params": head, "lr": 3e-3, "weight_decay": 1e-2}, {"params": rest}]
 
 
-def make_optimizer(model: Net, kind: str) -> tuple[torch.optim.Optimizer, object | None]:
+def make_optimizer(
+    model: Net, kind: str, dc: int = 0
+) -> tuple[torch.optim.Optimizer, object | None]:
     """The optimizer (and lr scheduler) of one test case. ``srv_*``: the optimizer on the
     global servers, with a schedule they must follow; ``srv_groups_K`` is case K's (two param
-    groups with their own lr and weight decay) there; ``mixed_K`` is case K's optimizer under
-    MixedSync, without its schedule."""
+    groups with their own lr and weight decay) there; ``mixed_K`` is case K's optimizer and
+    schedule under MixedSync. ``mixed_perdc``: plain SGD (no momentum, so a step at lr 0
+    changes nothing) whose schedule is datacenter ``dc``'s: datacenter 1's lr is always 0."""
     if kind.startswith("srv_groups_"):
         return make_optimizer(model, kind.removeprefix("srv_groups_"))
-    if kind.startswith("mixed_"):  # MixedSync's hyperparameters are fixed: no schedule
-        return make_optimizer(model, kind.removeprefix("mixed_"))[0], None
+    if kind == "mixed_perdc":
+        opt = torch.optim.SGD(param_groups(model, "sgd"), lr=0.1, weight_decay=1e-4)
+        factor = (lambda s: 0.0) if dc == 1 else (lambda s: 1.0 / (1 + 0.3 * s))
+        return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
+    if kind.startswith("mixed_"):
+        return make_optimizer(model, kind.removeprefix("mixed_"))
     if kind == "srv_sgd":
         opt = torch.optim.SGD(
             model.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3
@@ -107,6 +114,7 @@ def make_optimizer(model: Net, kind: str) -> tuple[torch.optim.Optimizer, object
 
 
 MICRO = {"accum": 3, "nosync": 2}  # micro-batches per step
+PERDC_STEPS = 10  # api_misc's MixedSync run with a schedule per datacenter
 CLIP = 0.05
 
 

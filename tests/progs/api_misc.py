@@ -3,7 +3,7 @@
 - ``buffers``: FSA with a BatchNorm on the input; every worker logs its buffers; a checkpoint at
   step 3 is loaded into a fresh model and optimizer, which then trains on to step 6.
 - ``amp``: autocast + GradScaler under FSA and HFA, with an inf injected on one worker.
-- ``mixed``: MixedSync with the user's SGD (and DCASGD).
+- ``mixed``: MixedSync with the user's SGD (and DCASGD), and a schedule per datacenter.
 - ``bad_sync`` / ``bad_mixed_optimizer`` / ``bad_checkpoint``: user errors.
 """
 
@@ -14,7 +14,16 @@ import torch
 from torch import nn
 
 import geompi
-from tests.progs.api_common import IN, OUT, batch, learnable_batch
+from tests.progs.api_common import (
+    IN,
+    OUT,
+    PERDC_STEPS,
+    batch,
+    learnable_batch,
+    make_model,
+    make_optimizer,
+    use_extra,
+)
 from tests.progs.api_misc_model import BNNet
 
 out, mode = sys.argv[1], sys.argv[2]
@@ -66,6 +75,20 @@ if mode == "buffers":
     dump("loaded", fresh, opt=opt2.state_dict(), step=info["step"])
     train(fresh, opt2, 6, start=3)
     dump("resumed", fresh)
+    # Where the servers step: buffers travel as a mean key. FSA's servers placement averages
+    # them every step; MixedSync per datacenter, and across datacenters at the end.
+    # With int8 on the WAN, the mean key still travels exactly.
+    for name in ("srv", "mixed", "srv-int8", "mixed-int8"):
+        algo = geompi.MixedSync() if name.startswith("mixed") else geompi.FSA(optimizer="servers")
+        torch.manual_seed(1 + w)
+        model = BNNet()
+        sgd = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        wan = {"wan_compression": "int8"} if name.endswith("int8") else {}
+        opt = geompi.DistributedOptimizer(sgd, model, sync=algo, **wan)
+        train(model, opt, 6)
+        dump(f"bn-{name}-before-close", model)
+        report = opt.close()  # the master's: the job's figures
+        dump(f"bn-{name}", model, report=report)
 elif mode == "amp":
     for sync in ("fsa", "hfa"):
         algo = geompi.HFA(k1=2, k2=2) if sync == "hfa" else "fsa"
@@ -110,6 +133,19 @@ elif mode == "mixed":
         losses = train(model, opt, 40, data=learnable_batch)
         opt.close()  # the final global model arrives
         dump(f"mixed-{name}", model, losses=losses)
+    # Each deposit is stepped with its own datacenter's schedule: datacenter 1's lr is 0, so
+    # the final model is datacenter 0's training alone, however the deposits interleave.
+    model = make_model(seed=1 + w)  # the master's wins
+    opt, sched = make_optimizer(model, "mixed_perdc", dc=geompi.dc())
+    opt = geompi.DistributedOptimizer(opt, model, sync=geompi.MixedSync(), bucket_mb=0.002)
+    for t in range(PERDC_STEPS):
+        x, y = batch(w, t)
+        opt.zero_grad()
+        loss_fn(model(x, use_extra(w, t)), y).backward()
+        opt.step()
+        sched.step()
+    opt.close()
+    dump("mixed-perdc", model)
 elif mode == "bad_sync":
     model = nn.Linear(IN, OUT)
     geompi.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, sync="nope")
