@@ -665,6 +665,47 @@ class ShardLoader:
 
 
 @torch.no_grad()
+class WorkerData:
+    """One worker's training data: the dataset, this worker's shard and the loader over it."""
+
+    def __init__(self, cfg, num_workers: int, worker: int) -> None:
+        self.spec = cfg.dataset
+        self.ds = load_dataset(
+            cfg.dataset, cfg.data_dir, synthetic_size=cfg.synthetic_size, seed=cfg.seed
+        )
+        # A factory's data must be the same on every worker, as a built-in's is
+        # (``check_same``, the first collective of training).
+        self.digest = digest(self.ds) if factory.is_spec(cfg.dataset) else None
+        idx = shard_indices(
+            len(self.ds.y_train),
+            num_workers,
+            worker,
+            seed=cfg.seed,
+            labels=self.ds.y_train,
+            split_by_class=cfg.split_by_class,
+            name=self.ds.name,
+        )
+        self.loader = ShardLoader(
+            self.ds.x_train, self.ds.y_train, idx, cfg.batch_size, seed=cfg.seed, shard=worker
+        )
+
+    def check_same(self, all_workers, master: bool) -> None:
+        """Collective over ``all_workers``, for a --dataset factory: the master refuses data
+        that differ between workers (the shards would overlap and miss samples). The others
+        go on into the INIT round, which waits for the master, so its abort ends them there."""
+        if self.digest is None:
+            return
+        digests = all_workers.allgather(self.digest)
+        odd = [i for i, d in enumerate(digests) if d != digests[0]]
+        if odd and master:
+            raise DataError(
+                f"--dataset {self.spec}: the factory returned other data on worker {odd[0]} "
+                f"than on worker 0 ({len(odd)} of {len(digests)} workers differ): make it "
+                "deterministic (torch's generator is seeded with --seed before the call; seed "
+                "numpy or random yourself)"
+            )
+
+
 def evaluate(
     model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 1024
 ) -> tuple[float, float]:

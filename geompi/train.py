@@ -67,12 +67,12 @@ def plan_topology(cfg: RunConfig, comm) -> Topology:
 
 
 class Worker:
-    """One training process: its data shard, its model replica and the chosen algorithm."""
+    """One training process: the loop over its data shard (geompi.data.WorkerData) with its
+    model replica, synchronized by the public API's engine (geompi.optimizer.Synchronizer);
+    checkpoints are geompi.checkpointing's, HFA's way back to a global sync is ``Rewind``."""
 
     def __init__(self, cfg: RunConfig, algo, topo: Topology, comms, stats: LinkStats) -> None:
-        from geompi.data import ShardLoader, load_dataset, shard_indices
-        from geompi.data import digest as data_digest
-        from geompi.factory import is_spec
+        from geompi.data import WorkerData
         from geompi.models import build_model
 
         self.cfg, self.algo, self.topo, self.comms, self.stats = cfg, algo, topo, comms, stats
@@ -81,28 +81,12 @@ class Worker:
         self.widx = topo.worker_index(self.rank)
         self.dc = topo.dc_of(self.rank)
         torch.manual_seed(cfg.seed)
-        ds = load_dataset(
-            cfg.dataset, cfg.data_dir, synthetic_size=cfg.synthetic_size, seed=cfg.seed
-        )
-        self.ds = ds
-        # A factory's data must be the same on every worker, as a built-in's is: compared at
-        # the start of run(), the first collective after start-up.
-        self.data_digest = data_digest(ds) if is_spec(cfg.dataset) else None
-        idx = shard_indices(
-            len(ds.y_train),
-            topo.num_workers,
-            self.widx,
-            seed=cfg.seed,
-            labels=ds.y_train,
-            split_by_class=cfg.split_by_class,
-            name=ds.name,
-        )
-        self.loader = ShardLoader(
-            ds.x_train, ds.y_train, idx, cfg.batch_size, seed=cfg.seed, shard=self.widx
-        )
+        self.data = WorkerData(cfg, topo.num_workers, self.widx)
+        self.ds, self.loader = self.data.ds, self.data.loader
         torch.manual_seed(cfg.seed)
         self.device = worker_device(comms.workers)
-        self.model = build_model(cfg.model, ds.input_shape, ds.num_classes).to(self.device)
+        self.model = build_model(cfg.model, self.ds.input_shape, self.ds.num_classes)
+        self.model = self.model.to(self.device)
         self.total_steps = self._total_steps()
         self.opt, self.engine = self._make_optimizer()
         self.buckets = self.engine.buckets
@@ -171,13 +155,13 @@ class Worker:
         from geompi.data import evaluate
 
         cfg = self.cfg
-        self._check_same_data()
+        self.data.check_same(self.comms.all_workers, self.master)
         self._resume()
         self.stats.reset_time()  # the time split covers the training loop (as wall_s does)
         stop = StopRequest(self.group, worker_timeout(cfg.comm_timeout))  # as the client's
         loss_fn = torch.nn.CrossEntropyLoss()
         t_start = time.perf_counter()
-        last_progress = t_start
+        progress = Progress(log, self, t_start)
         compute_s = 0.0
         stopping = preempted = False
         saved_at = -1
@@ -188,9 +172,8 @@ class Worker:
         # its state from there) and checkpoints that. Every worker takes the same path, and
         # no cross-datacenter round is added. Streaming HFA has no such point: it stops as is.
         period = self.algo.period()
-        rewind = hfa and self.algo.k2 > 1 and not self.algo.streaming
+        rewind = Rewind(self) if hfa and self.algo.k2 > 1 and not self.algo.streaming else None
         start_step = self.step
-        last_global = self._hfa_state() if rewind else None
         while self.step < self.total_steps:
             t0 = time.perf_counter()
             self.client.step = self.step + 1
@@ -220,26 +203,7 @@ class Worker:
             self.samples += n
             if self.step == self._signal_at:  # fault injection for tests (GEOMPI_FAULT_SIGNAL_AT)
                 os.kill(os.getpid(), signal.SIGTERM)
-            if log is not None:
-                now = time.perf_counter()
-                log.write({"step": self.step, "loss": loss.item(), "wall_s": now - t_start})
-                if now - last_progress >= cfg.progress_every:
-                    last_progress = now
-                    rate = self.samples * self.topo.num_workers / (now - t_start)
-                    say(
-                        f"geompi: step {self.step}/{self.total_steps} epoch {self.loader.epoch} "
-                        f"loss {loss.item():.4f} {rate:.0f} samples/s"
-                    )
-                if cfg.eval_every and self.step % cfg.eval_every == 0:
-                    acc, tl = evaluate(self.model, self.ds.x_test, self.ds.y_test)
-                    log.write(
-                        {
-                            "step": self.step,
-                            "test_acc": acc,
-                            "test_loss": tl,
-                            "wall_s": now - t_start,
-                        }
-                    )
+            progress.step(loss)
             # MixedSync's last checkpoint comes after finish(), once the final model exists
             last = mixed and self.step == self.total_steps
             if self.checkpoints and cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
@@ -247,7 +211,7 @@ class Worker:
                     self._save(log)
                     saved_at = self.step
             if rewind and self.step % period == 0:
-                last_global = self._hfa_state()
+                rewind.record()
             # Agreeing on a stop is a collective over every worker (HFA's, above, at its
             # datacenter rounds).
             if not hfa and not stopping and self.step < self.total_steps:
@@ -259,7 +223,7 @@ class Worker:
         stop.close()
         stopped_at = self.step
         if rewind and self.step % period:
-            self._load_hfa_state(last_global)
+            rewind.restore()
         nothing_new = preempted and self.step == start_step and stopped_at != self.step
         if self.checkpoints and saved_at != self.step and not mixed and not nothing_new:
             self._save(log)
@@ -284,48 +248,6 @@ class Worker:
             acc, tl = evaluate(self.model, self.ds.x_test, self.ds.y_test)
             out.update(test_acc=acc, test_loss=tl)
         return out
-
-    def _hfa_state(self) -> dict:
-        """What a worker must return to, to be back at this global sync (HFA)."""
-        return {
-            "step": self.step,
-            "samples": self.samples,
-            "loader": dict(self.loader.state_dict()),
-            "rng": torch.get_rng_state(),
-            "strategy": self.engine.state(),
-            "params": [b.params.detach().clone() for b in self.buckets],
-            "optimizer": copy.deepcopy(self.local_opt.state_dict()),
-        }
-
-    def _load_hfa_state(self, st: dict) -> None:
-        """Back to the global sync :meth:`_hfa_state` recorded: the global model (which the
-        global servers still hold), the data position, local optimizer state and counters."""
-        self.step, self.samples = st["step"], st["samples"]
-        self.loader.load_state_dict(st["loader"])
-        torch.set_rng_state(st["rng"])
-        self.engine.load_state(st["strategy"])
-        with torch.no_grad():
-            for b, p in zip(self.buckets, st["params"]):
-                b.params.copy_(p)
-        self.local_opt.load_state_dict(st["optimizer"])
-
-    def _check_same_data(self) -> None:
-        """Collective over workers, for a --dataset factory: worker 0 refuses data that differ
-        between workers (the shards would overlap and miss samples). The others go on into
-        the INIT round, which waits for worker 0, so its abort ends them there."""
-        if self.data_digest is None:
-            return
-        from geompi.errors import DataError
-
-        digests = self.comms.all_workers.allgather(self.data_digest)
-        odd = [i for i, d in enumerate(digests) if d != digests[0]]
-        if odd and self.master:
-            raise DataError(
-                f"--dataset {self.cfg.dataset}: the factory returned other data on worker "
-                f"{odd[0]} than on worker 0 ({len(odd)} of {len(digests)} workers differ): make "
-                "it deterministic (torch's generator is seeded with --seed before the call; seed "
-                "numpy or random yourself)"
-            )
 
     def _resume(self) -> None:
         """Restore the checkpoint (if any) everywhere, then the INIT round starts the servers."""
@@ -358,6 +280,71 @@ class Worker:
         path = self.ckpt.save(self.step, metrics, final=final)
         if log is not None and path is not None:
             log.write({"step": self.step, "checkpoint": str(path), **metrics})
+
+
+class Rewind:
+    """HFA's way back to the last global sync. A stop between global syncs puts every worker
+    back there (the global servers still hold that global model) with its own data position,
+    RNG, local optimizer state and counters, so the checkpoint it writes resumes exactly."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.w = worker
+        self.record()
+
+    def record(self) -> None:
+        """Remember this worker as it is now, at a global sync."""
+        w = self.w
+        self.saved = {
+            "step": w.step,
+            "samples": w.samples,
+            "loader": dict(w.loader.state_dict()),
+            "rng": torch.get_rng_state(),
+            "strategy": w.engine.state(),
+            "params": [b.params.detach().clone() for b in w.buckets],
+            "optimizer": copy.deepcopy(w.local_opt.state_dict()),
+        }
+
+    def restore(self) -> None:
+        """Back to what :meth:`record` saw last."""
+        w, st = self.w, self.saved
+        w.step, w.samples = st["step"], st["samples"]
+        w.loader.load_state_dict(st["loader"])
+        torch.set_rng_state(st["rng"])
+        w.engine.load_state(st["strategy"])
+        with torch.no_grad():
+            for b, p in zip(w.buckets, st["params"]):
+                b.params.copy_(p)
+        w.local_opt.load_state_dict(st["optimizer"])
+
+
+class Progress:
+    """Rank 0's account of the loop: a metrics line per step, a progress line every
+    ``--progress-every`` seconds and the test accuracy every ``--eval-every`` steps."""
+
+    def __init__(self, log: MetricsLog | None, worker: Worker, t_start: float) -> None:
+        self.log, self.w, self.t_start = log, worker, t_start
+        self.last = t_start
+
+    def step(self, loss: torch.Tensor) -> None:
+        if self.log is None:
+            return
+        from geompi.data import evaluate
+
+        w, cfg = self.w, self.w.cfg
+        now = time.perf_counter()
+        self.log.write({"step": w.step, "loss": loss.item(), "wall_s": now - self.t_start})
+        if now - self.last >= cfg.progress_every:
+            self.last = now
+            rate = w.samples * w.topo.num_workers / (now - self.t_start)
+            say(
+                f"geompi: step {w.step}/{w.total_steps} epoch {w.loader.epoch} "
+                f"loss {loss.item():.4f} {rate:.0f} samples/s"
+            )
+        if cfg.eval_every and w.step % cfg.eval_every == 0:
+            acc, tl = evaluate(w.model, w.ds.x_test, w.ds.y_test)
+            self.log.write(
+                {"step": w.step, "test_acc": acc, "test_loss": tl, "wall_s": now - self.t_start}
+            )
 
 
 def _fault_signal_at(rank: int) -> int:
