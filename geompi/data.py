@@ -83,12 +83,17 @@ def load_dataset(
 
 
 def user_dataset(spec: str, data_dir: str | None = None) -> Dataset:
-    """The dataset of ``--dataset spec``: ``factory(data_dir)``, checked and normalized like a
-    built-in (both splits non-empty, finite inputs, labels within 0..num_classes-1)."""
+    """The dataset of ``--dataset spec``: ``factory(data_dir)`` (or ``factory()`` when it
+    takes no argument), checked and normalized like a built-in (both splits non-empty, finite
+    inputs, labels within 0..num_classes-1). It returns tensors or arrays, or two map-style
+    torch Datasets of ``(x, label)`` (and optionally ``num_classes``)."""
     make = factory.resolve("--dataset", spec)
-    out = factory.call("--dataset", spec, make, data_dir, error=DataError)
+    args = (data_dir,) if factory.accepts(make, data_dir) or not factory.accepts(make) else ()
+    out = factory.call("--dataset", spec, make, *args, error=DataError)
     where = f"--dataset {spec}"
-    form = "(x_train, y_train, x_test, y_test[, num_classes])"
+    if isinstance(out, (tuple, list)) and len(out) in (2, 3) and _is_map_dataset(out[0]):
+        out = _from_datasets(where, out)
+    form = "(x_train, y_train, x_test, y_test[, num_classes]) or (train_set, test_set)"
     if not isinstance(out, (tuple, list)) or len(out) not in (4, 5):
         what = f"a {len(out)}-tuple" if isinstance(out, (tuple, list)) else type(out).__name__
         raise DataError(f"{where}: the factory returned {what}, not {form}")
@@ -151,6 +156,51 @@ def user_dataset(spec: str, data_dir: str | None = None) -> Dataset:
     return _finish(
         spec, parts["x_train"], parts["y_train"], parts["x_test"], parts["y_test"], num_classes
     )
+
+
+def _is_map_dataset(obj) -> bool:
+    """A map-style dataset (``len`` and integer indexing), not an array of samples."""
+    if isinstance(obj, (torch.Tensor, np.ndarray, str, bytes, tuple, list, dict)):
+        return False
+    return hasattr(obj, "__len__") and hasattr(obj, "__getitem__")
+
+
+def _from_datasets(where: str, out) -> tuple:
+    """``(train_set, test_set[, num_classes])`` of map-style datasets as the tensors of the
+    array form: every ``(x, label)`` read once, in index order."""
+    parts = []
+    for split, ds in zip(("train", "test"), out[:2], strict=True):
+        if not _is_map_dataset(ds):
+            raise DataError(
+                f"{where}: the {split} set is a {type(ds).__name__}, not a map-style torch "
+                "Dataset of (x, label): return (train_set, test_set)"
+            )
+        xs, ys = [], []
+        for i in range(len(ds)):
+            item = ds[i]
+            if not (isinstance(item, (tuple, list)) and len(item) == 2):
+                raise DataError(
+                    f"{where}: {split}_set[{i}] is a {type(item).__name__}, not an (x, label) "
+                    "pair: make __getitem__ return (x, label)"
+                )
+            try:
+                xs.append(torch.as_tensor(item[0]).detach().cpu())
+                ys.append(torch.as_tensor(item[1]).detach().cpu().reshape(()))
+            except (TypeError, ValueError, RuntimeError) as e:
+                raise DataError(
+                    f"{where}: {split}_set[{i}] is not (a numeric x, one label): {factory.brief(e)}"
+                ) from None
+        if not xs:
+            parts += [torch.zeros(0, 1), torch.zeros(0, dtype=torch.int64)]
+            continue
+        shapes = {tuple(x.shape) for x in xs}
+        if len(shapes) > 1:
+            raise DataError(
+                f"{where}: the {split} set's samples have {len(shapes)} shapes "
+                f"({', '.join(map(str, sorted(shapes)[:3]))}): every x needs the same shape"
+            )
+        parts += [torch.stack(xs), torch.stack(ys)]
+    return (*parts, *out[2:])
 
 
 def digest(ds: Dataset) -> str:
@@ -664,7 +714,6 @@ class ShardLoader:
         self.epoch, self.position = epoch, position
 
 
-@torch.no_grad()
 class WorkerData:
     """One worker's training data: the dataset, this worker's shard and the loader over it."""
 
@@ -706,6 +755,7 @@ class WorkerData:
             )
 
 
+@torch.no_grad()
 def evaluate(
     model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 1024
 ) -> tuple[float, float]:

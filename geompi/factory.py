@@ -68,6 +68,19 @@ def resolve(flag: str, value: str) -> Callable:
     return obj
 
 
+def accepts(factory: Callable, *args) -> bool:
+    """Whether ``factory`` can be called with ``args`` (by its signature; True if it has none)."""
+    import inspect
+
+    try:
+        inspect.signature(factory).bind(*args)
+    except TypeError:
+        return False
+    except ValueError:  # no signature to read (some builtins): assume it does
+        return True
+    return True
+
+
 def call(flag: str, value: str, factory: Callable, *args, error: type = ConfigError):
     """``factory(*args)``; an exception from it becomes one ``error`` line."""
     try:

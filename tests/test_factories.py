@@ -43,6 +43,18 @@ def test_a_factory_dataset_is_checked_and_normalized_like_a_builtin():
     assert abs(float(blobs.x_train.mean())) < 1e-5  # normalized with the train split's stats
 
 
+def test_a_factory_of_two_map_style_datasets_equals_its_tensors():
+    """``factory()`` returning (train_set, test_set) of (x, label) reads every sample once,
+    in order: the same dataset as the tensors it was built from."""
+    torch.manual_seed(0)
+    sets = load_dataset(f"{P}:blob_sets")
+    torch.manual_seed(0)
+    tensors = load_dataset(f"{P}:blobs")
+    assert sets.num_classes == tensors.num_classes == 4
+    for k in ("x_train", "y_train", "x_test", "y_test"):
+        assert torch.equal(getattr(sets, k), getattr(tensors, k)), k
+
+
 def test_specs_pass_validation_and_bad_ones_are_refused_on_every_rank_alike():
     make_config(["--model", f"{P}:mlp", "--dataset", f"{P}:digits"]).validate()
     for flag, value, words in [
@@ -102,6 +114,9 @@ DATA_ERRORS = {
     f"{P}:empty_test": ["the test split is empty"],
     f"{P}:labels_out_of_range": ["test labels span 5..6, outside 0..2"],
     f"{P}:shapes_differ": ["train samples have shape (1, 2, 2) but test samples (1, 3, 3)"],
+    f"{P}:set_and_tensor": ["the test set is a Tensor, not a map-style torch Dataset"],
+    f"{P}:set_of_triples": ["train_set[0] is a tuple, not an (x, label) pair"],
+    f"{P}:ragged_set": ["the train set's samples have 2 shapes"],
 }
 
 

@@ -76,6 +76,26 @@ def blobs(data_dir):
     return x_train, y_train, x_test, y_test, BLOB_CLASSES
 
 
+class Pairs(torch.utils.data.Dataset):
+    """A map-style dataset of (x, label), as a user's own Dataset class is."""
+
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return self.x[i], int(self.y[i])
+
+
+def blob_sets():
+    """``blobs`` as the issue's form: no argument, two map-style datasets (one a user's
+    class, one torch's TensorDataset), the class count inferred from the labels."""
+    x_train, y_train, x_test, y_test, _ = blobs(None)
+    return Pairs(x_train, y_train), torch.utils.data.TensorDataset(x_test, y_test)
+
+
 # ---- broken on purpose -------------------------------------------------------------------
 NOT_CALLABLE = 3
 
@@ -145,3 +165,17 @@ def unseeded(data_dir):
     x = rng.normal(size=(64, 1, 2, 2)).astype(np.float32)
     y = np.tile(np.arange(2), 32)
     return x, y, x, y
+
+
+def set_and_tensor():
+    return Pairs(torch.zeros(4, 2), torch.zeros(4)), torch.zeros(4, 2)
+
+
+def set_of_triples():
+    x = torch.zeros(4, 2)
+    return torch.utils.data.TensorDataset(x, x[:, 0], x[:, 1]), Pairs(x, torch.zeros(4))
+
+
+def ragged_set():
+    xs = [torch.zeros(2), torch.zeros(3)]
+    return Pairs(xs, torch.zeros(2)), Pairs(xs[:1], torch.zeros(1))
