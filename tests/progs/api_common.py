@@ -113,6 +113,18 @@ def make_optimizer(
     raise ValueError(kind)
 
 
+def train_steps(model: Net, opt, worker: int, steps: int, sched=None) -> None:
+    """The plain torch loop the API programs run on ``batch`` (opt may be geompi's)."""
+    loss_fn = nn.CrossEntropyLoss()
+    for t in range(steps):
+        x, y = batch(worker, t)
+        opt.zero_grad()
+        loss_fn(model(x, use_extra(worker, t)), y).backward()
+        opt.step()
+        if sched is not None:
+            sched.step()
+
+
 MICRO = {"accum": 3, "nosync": 2}  # micro-batches per step
 PERDC_STEPS = 10  # api_misc's MixedSync run with a schedule per datacenter
 CLIP = 0.05

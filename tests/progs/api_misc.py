@@ -22,7 +22,7 @@ from tests.progs.api_common import (
     learnable_batch,
     make_model,
     make_optimizer,
-    use_extra,
+    train_steps,
 )
 from tests.progs.api_misc_model import BNNet
 
@@ -138,12 +138,7 @@ elif mode == "mixed":
     model = make_model(seed=1 + w)  # the master's wins
     opt, sched = make_optimizer(model, "mixed_perdc", dc=geompi.dc())
     opt = geompi.DistributedOptimizer(opt, model, sync=geompi.MixedSync(), bucket_mb=0.002)
-    for t in range(PERDC_STEPS):
-        x, y = batch(w, t)
-        opt.zero_grad()
-        loss_fn(model(x, use_extra(w, t)), y).backward()
-        opt.step()
-        sched.step()
+    train_steps(model, opt, w, PERDC_STEPS, sched)
     opt.close()
     dump("mixed-perdc", model)
 elif mode == "bad_sync":

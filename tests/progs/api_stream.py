@@ -11,23 +11,18 @@ import sys
 import torch
 
 import geompi
-from tests.progs.api_common import batch, hfa_optimizer, make_model, use_extra
+from tests.progs.api_common import hfa_optimizer, make_model, train_steps
 
 out, mode = sys.argv[1], sys.argv[2]
 geompi.init(dc_sizes=(3, 4), global_servers=2)
 w = geompi.worker_rank()
-loss_fn = torch.nn.CrossEntropyLoss()
 STEPS = 16
 
 
 def train(name: str, algo) -> None:
     model = make_model(seed=1 + w)
     opt = geompi.DistributedOptimizer(hfa_optimizer(model), model, sync=algo, bucket_mb=1e-9)
-    for t in range(STEPS):
-        x, y = batch(w, t)
-        opt.zero_grad()
-        loss_fn(model(x, use_extra(w, t)), y).backward()
-        opt.step()
+    train_steps(model, opt, w, STEPS)
     opt.close()
     torch.save(model.state_dict(), f"{out}/{name}-w{w}.pt")
 
