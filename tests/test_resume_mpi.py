@@ -125,10 +125,13 @@ def test_checkpoint_state_messages_are_counted(tmp_path):
     assert c["wan_data_bytes"] == b["wan_data_bytes"]
 
 
-def test_mixedsync_resumes_and_reaches_accuracy(tmp_path):
+def test_mixedsync_dcasgd_resumes_and_reaches_accuracy(tmp_path):
+    """The default 16-rank job with GeoMX's flags for MixedSync + DCASGD, datacenter 1 slowed
+    3x and bounded staleness: checkpointed at step 80, resumed, and trained to 210 steps."""
     d = tmp_path / "ck"
-    args = ["--sync", "mixed", "--optimizer", "dcasgd", "--model", "cnn", "--batch-size", "16"]
-    train(16, *args, "--steps", 80, "--checkpoint-dir", d, timeout=180)
+    args = ["--mixed-sync", "--dcasgd", "--dc-slowdown", "1:3", "--max-staleness", "8"]
+    args += ["--model", "cnn", "--batch-size", "16"]
+    train(16, *args, "--steps", 80, "--checkpoint-dir", d, timeout=240)
     metrics = tmp_path / "m.jsonl"
     res = train(
         16,
@@ -141,10 +144,16 @@ def test_mixedsync_resumes_and_reaches_accuracy(tmp_path):
         "latest",
         "--metrics",
         metrics,
-        timeout=180,
+        timeout=240,
     )
     assert "at step 80" in res.stderr
-    assert read_jsonl(metrics)[-1]["test_acc"] >= 0.93
+    start, summary = read_jsonl(metrics)[0], read_jsonl(metrics)[-1]
+    assert summary["sync"] == "mixed"
+    assert start["config"]["optimizer"] == "dcasgd"  # not GeoMX's silent Adam
+    assert summary["test_acc"] >= 0.93
+    assert summary["max_staleness_seen"] >= 1  # the tiers really were asynchronous
+    assert summary["staleness_updates"] == sum(summary["dc_updates"])
+    assert sum(summary["staleness_histogram"].values()) == sum(summary["dc_updates"])
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""MixedSync under concurrency: no update is lost. 16 ranks, 3 DCs, DC 1 slowed.
+"""MixedSync under concurrency: no update is lost. 10 ranks: 3 DCs of 2 workers and a local
+server, 1 global server, DC 1 slowed.
 
 Through ``dist_async`` with SGD lr=1 (no momentum) and the KVStore's sum semantics, the final
 global value must be the initial one minus the sum of everything every worker pushed. Each
