@@ -29,7 +29,14 @@ from geompi.comm.buffers import all_finite
 from geompi.comm.transport import LAN, Link, LinkStats, worker_timeout
 from geompi.errors import ConfigError, GeompiError, NonFiniteError
 from geompi.ps.client import PSClient
-from geompi.ps.protocol import FLAG_MEAN, FLAG_PRESENCE, FLAG_RAW, Op, presence_payload
+from geompi.ps.protocol import (
+    FLAG_GLOBAL,
+    FLAG_MEAN,
+    FLAG_PRESENCE,
+    FLAG_RAW,
+    Op,
+    presence_payload,
+)
 from geompi.sync import FSA, HFA, Algorithm, MixedSync, resolve
 
 
@@ -326,6 +333,7 @@ class Synchronizer:
         self.steps = 0
         self.dc_rounds = 0
         self.hfa_samples = 0
+        self.round_samples = 0.0  # the weight of HFA's last average
         self.global_syncs = 0
         self.skipped = 0
         self.closed = False
@@ -445,6 +453,9 @@ class Synchronizer:
         self.closed = True
         if self.average_due:
             self._average_now()
+        algo = self.algo
+        if algo.local_steps and not algo.streaming and self.steps % algo.period():
+            self._average_now(final=True)  # every worker ends with one global model
         if self.algo.independent_dcs:  # the datacenters end apart: the model at the end
             reqs = self.client.start(Op.STOP, self.keys(presence=False))
             for b in self.buckets:
@@ -682,23 +693,29 @@ class Synchronizer:
             self._average_now()
         return out
 
-    def _average_now(self) -> None:
-        """HFA: the datacenter average that the K1-th step made due (every K2-th is global)."""
+    def _average_now(self, final: bool = False) -> None:
+        """HFA: the datacenter average that the K1-th step made due (every K2-th is global).
+        ``final`` (close() between global averages): one global average of every worker,
+        weighted by its samples since the last average, or if none by that average's."""
         algo = self.algo
         self.average_due = False
         uniform = algo.weighting == "uniform"
-        self._average(uniform_weight(self.client) if uniform else float(self.hfa_samples))
+        samples = float(self.hfa_samples or (self.round_samples or 1.0 if final else 0))
+        self._average(uniform_weight(self.client) if uniform else samples, final)
+        self.round_samples = samples
         self.hfa_samples = 0
         self.dc_rounds += 1
-        if self.dc_rounds % algo.k2 == 0:
+        if self.dc_rounds % algo.k2 == 0 or final:
             self.global_syncs += 1
             if algo.reset_optimizer:
                 self.opt.state.clear()
 
     @torch.no_grad()
-    def _average(self, weight: float) -> None:
-        """HFA's datacenter average (every K2-th one global) of parameters and float buffers."""
-        reqs = self.client.start(Op.AVG, self.keys(), weight=weight)
+    def _average(self, weight: float, force_global: bool = False) -> None:
+        """HFA's datacenter average (every K2-th one global, or every key now with
+        ``force_global``) of parameters and float buffers."""
+        flags = FLAG_GLOBAL if force_global else 0
+        reqs = self.client.start(Op.AVG, self.keys(), weight=weight, flags=flags)
         for b in self.buckets:
             torch.mul(b.params, weight, out=b.grads)
             self.client.push(reqs, b.grads)

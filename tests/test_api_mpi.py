@@ -143,6 +143,21 @@ def test_hfa_outer_nesterov_equals_the_simulation(hfa_sim):
     assert max(float((got[k] - plain[k]).abs().max()) for k in got) > 1e-3  # the outer step acts
 
 
+@pytest.mark.parametrize("steps", [9, 10])
+def test_hfa_close_between_global_averages_ends_on_one_global_model(hfa_sim, steps):
+    """K1=2, K2=3: close() after 9 steps (a local step since the last average) or 10 (right
+    after a datacenter average) averages every worker once more through the global tier (and
+    its outer Nesterov step), so every worker holds the same model, the simulation's."""
+    refs = hfa_reference([2, 4], k1=2, k2=3, steps=steps, outer_nesterov_lr=0.7, final_global=True)
+    first = torch.load(hfa_sim / f"tail{steps}-w0.pt")
+    for w, ref in enumerate(refs):
+        got = torch.load(hfa_sim / f"tail{steps}-w{w}.pt")
+        assert max(float((got[k] - ref[k]).abs().max()) for k in got) <= 1e-5, w
+        assert all(torch.equal(got[k], first[k]) for k in got), w
+    local = hfa_reference([2, 4], k1=2, k2=3, steps=steps, outer_nesterov_lr=0.7)
+    assert max(float((first[k] - local[0][k]).abs().max()) for k in first) > 1e-4
+
+
 def test_hfa_uniform_weighting_counts_every_datacenter_the_same(hfa_sim):
     """GeoMX's uniform rule on datacenters of 2 and 4 workers: not the per-worker mean."""
     refs = hfa_reference([2, 4], k1=2, k2=3, steps=12, uniform=True)

@@ -308,7 +308,8 @@ class LocalServer:
             due = {
                 i
                 for i, (k, _) in enumerate(rnd.keys)
-                if is_global(
+                if rnd.flags & FLAG_GLOBAL  # the workers' close(): every key, now
+                or is_global(
                     self.avg_rounds[k], self.fragment_of.get(k, 0), self.fragments, self.k2
                 )
             }

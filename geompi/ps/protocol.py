@@ -30,7 +30,9 @@ class Op(enum.IntEnum):
 
 
 FLAG_SUM = 1  # GRAD: apply the optimizer to the plain sum (KVStore semantics), not the mean
-FLAG_GLOBAL = 2  # AVG: set by the local server when this round goes to the global tier
+# AVG: set by the local server when this round goes to the global tier; set by the workers
+# (HFA's close() between global averages) to make every key of this round go there
+FLAG_GLOBAL = 2
 # Set by a local server whose header weight is already final (it cannot skip the round): the
 # global servers then answer each key as soon as it arrived instead of waiting for the trailers.
 FLAG_WEIGHT_FINAL = 4

@@ -173,12 +173,15 @@ def hfa_reference(
     opts: list | None = None,
     batches=None,
     outer_nesterov_lr: float | None = None,
+    final_global: bool = False,
 ) -> list[dict[str, torch.Tensor]]:
     """An independent simulation of HFA: one model and optimizer per worker, datacenter
     averages every K1 steps, every K2-th one over all workers. Weights: samples, or
     ``uniform`` (GeoMX): 1 / the worker's datacenter size, so datacenters count the same.
     ``outer_nesterov_lr``: the global average goes through an outer Nesterov step (momentum
-    0.9) on ``global - average``, DiLoCo's outer optimizer."""
+    0.9) on ``global - average``, DiLoCo's outer optimizer. ``final_global``: after ``steps``
+    that are not a multiple of K1*K2, one more average over every worker (what close() does),
+    weighted by the samples since the last average, or if there were none by its weights."""
     workers = sum(dc_sizes)
     dcs = [list(range(sum(dc_sizes[:d]), sum(dc_sizes[: d + 1]))) for d in range(len(dc_sizes))]
     dc_of = {w: d for d, members in enumerate(dcs) for w in members}
@@ -193,19 +196,23 @@ def hfa_reference(
         return [1.0 / dc_sizes[dc_of[w]] if uniform else 0.0 for w in range(workers)]
 
     samples = fresh()
+    last = samples  # the weights of the last average
     rounds = 0
-    for t in range(steps):
-        for w in range(workers):
+    for t in range(steps + (1 if final_global and steps % (k1 * k2) else 0)):
+        final = t == steps  # close(): one more average, over every worker
+        for w in range(workers if not final else 0):
             x, y, *extra = batches(w, t)
             opts[w].zero_grad()
             loss_fn(models[w](x, *extra), y).backward()
             opts[w].step()
             if not uniform:
                 samples[w] += len(y)
-        if (t + 1) % k1:
+        if (t + 1) % k1 and not final:
             continue
+        if final and not any(samples):  # just averaged: the last average's weights again
+            samples = last
         rounds += 1
-        is_global = rounds % k2 == 0
+        is_global = rounds % k2 == 0 or final
         groups = [list(range(workers))] if is_global else dcs
         with torch.no_grad():
             for group in groups:
@@ -220,7 +227,7 @@ def hfa_reference(
                         avg = glob[i]
                     for p in ps:
                         p.copy_(avg)
-        samples = fresh()
+        last, samples = samples, fresh()
     return [{k: v.detach().clone() for k, v in m.state_dict().items()} for m in models]
 
 

@@ -25,17 +25,20 @@ def data(t):
     return (x[:3], y[:3], False) if mode == "torch" else (x, y, use_extra(w, t))
 
 
-def train(weighting: str, tag: str, **outer) -> None:
+def train(weighting: str, tag: str, steps: int = STEPS, **outer) -> None:
     model = make_model(seed=1 + w)
     algo = geompi.HFA(k1=K1, k2=K2, weighting=weighting, **outer)
     opt = geompi.DistributedOptimizer(hfa_optimizer(model), model, sync=algo, bucket_mb=0.002)
     loss_fn = torch.nn.CrossEntropyLoss()
-    for t in range(STEPS):
+    for t in range(steps):
         x, y, extra = data(t)
         opt.zero_grad()
         loss_fn(model(x, extra), y).backward()
         opt.step()
-    assert opt.global_syncs == STEPS // (K1 * K2), opt.global_syncs
+    assert opt.global_syncs == steps // (K1 * K2), opt.global_syncs
+    if steps % (K1 * K2):  # close() between global averages ends on one more, over everyone
+        opt.close()
+        assert opt.global_syncs == steps // (K1 * K2) + 1, opt.global_syncs
     torch.save(model.state_dict(), f"{out}/{tag}-w{w}.pt")
 
 
@@ -43,6 +46,8 @@ train("samples", "hfa")
 if mode == "sim":  # the same job also runs GeoMX's uniform weighting and an outer optimizer
     train("uniform", "uniform")
     train("samples", "outer", outer_optimizer="nesterov", outer_lr=0.7)
+    for steps in (9, 10):  # close() after a local step, and right after a datacenter average
+        train("samples", f"tail{steps}", steps=steps, outer_optimizer="nesterov", outer_lr=0.7)
 geompi.finish()
 
 if mode == "torch":
