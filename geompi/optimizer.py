@@ -334,6 +334,13 @@ class Synchronizer:
         self.dc_rounds = 0
         self.hfa_samples = 0
         self.round_samples = 0.0  # the weight of HFA's last average
+        self.steps_at_global = 0  # HFA: the step of the last global average
+        # HFA(adaptive=True): which averages go global (geompi.sync.hfa.Cadence)
+        self.cadence = None
+        if algo.local_steps and algo.adaptive:
+            from geompi.sync.hfa import Cadence
+
+            self.cadence = Cadence(algo, session.comms.all_workers)
         self.global_syncs = 0
         self.skipped = 0
         self.closed = False
@@ -410,6 +417,7 @@ class Synchronizer:
         self.global_syncs = int(state.get("global_syncs", 0))
         self.steps = int(state.get("steps", 0))
         self.dc_rounds = int(state.get("dc_rounds", 0))
+        self.steps_at_global = self.steps  # HFA's checkpoints are at global averages
         self.hfa_samples = int(state.get("samples", 0))
 
     @torch.no_grad()
@@ -454,7 +462,7 @@ class Synchronizer:
         if self.average_due:
             self._average_now()
         algo = self.algo
-        if algo.local_steps and not algo.streaming and self.steps % algo.period():
+        if algo.local_steps and not algo.streaming and self.steps != self.steps_at_global:
             self._average_now(final=True)  # every worker ends with one global model
         if self.algo.independent_dcs:  # the datacenters end apart: the model at the end
             reqs = self.client.start(Op.STOP, self.keys(presence=False))
@@ -475,6 +483,8 @@ class Synchronizer:
         self.report = gather_report(
             self.s, {"role": "WORKER", **self.stats.as_dict(), "wall_s": wall}
         )
+        if self.report is not None and self.cadence is not None:
+            self.report.update(k2=self.cadence.k2, k2_changes=self.cadence.changes)
 
     # ---- hooks ----------------------------------------------------------------------------
     def _before_forward(self, module, args, kwargs) -> None:
@@ -701,11 +711,21 @@ class Synchronizer:
         self.average_due = False
         uniform = algo.weighting == "uniform"
         samples = float(self.hfa_samples or (self.round_samples or 1.0 if final else 0))
-        self._average(uniform_weight(self.client) if uniform else samples, final)
+        weight = uniform_weight(self.client) if uniform else samples
+        cadence = self.cadence
+        if cadence is None:  # every K2-th is global: the local servers count too
+            go_global = final or (self.dc_rounds + 1) % algo.k2 == 0
+            self._average(weight, final)
+        else:  # adaptive: the workers choose, and say so (FLAG_GLOBAL)
+            go_global = final or cadence.next_is_global()
+            started = cadence.begin()
+            self._average(weight, go_global)
+            cadence.end(started, go_global, self.steps, decide=not final)
         self.round_samples = samples
         self.hfa_samples = 0
         self.dc_rounds += 1
-        if self.dc_rounds % algo.k2 == 0 or final:
+        if go_global:
+            self.steps_at_global = self.steps
             self.global_syncs += 1
             if algo.reset_optimizer:
                 self.opt.state.clear()

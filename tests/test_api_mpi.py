@@ -158,6 +158,27 @@ def test_hfa_close_between_global_averages_ends_on_one_global_model(hfa_sim, ste
     assert max(float((first[k] - local[0][k]).abs().max()) for k in first) > 1e-4
 
 
+def test_hfa_adaptive_cadence(hfa_sim):
+    """HFA(adaptive=True): pinned to K2=3 it is plain HFA bitwise; on a slow (emulated) WAN it
+    moves K2 from 1 to k2_max after the first global average, every worker at the same rounds,
+    and close() ends on one global model."""
+    plain, pinned = torch.load(hfa_sim / "hfa-w0.pt"), torch.load(hfa_sim / "pinned-w0.pt")
+    assert all(torch.equal(plain[k], pinned[k]) for k in plain)
+    runs = [json.loads((hfa_sim / f"adaptive-w{w}.json").read_text()) for w in range(6)]
+    for r in runs:  # global averages after steps 2 and 10 (K2: 1, then 4), close() the third
+        assert r["syncs"] == [0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2], r["syncs"]
+        assert r["final"] == 3
+    report = runs[0]["report"]
+    assert report["k2"] == 4
+    assert [(c["step"], c["old_k2"], c["new_k2"]) for c in report["k2_changes"]] == [(2, 1, 4)]
+    change = report["k2_changes"][0]
+    assert change["exchange_s"] >= 0.1 > change["round_compute_s"], change
+    first = torch.load(hfa_sim / "adaptive-w0.pt")
+    for w in range(1, 6):
+        got = torch.load(hfa_sim / f"adaptive-w{w}.pt")
+        assert all(torch.equal(got[k], first[k]) for k in got), w
+
+
 def test_hfa_uniform_weighting_counts_every_datacenter_the_same(hfa_sim):
     """GeoMX's uniform rule on datacenters of 2 and 4 workers: not the per-worker mean."""
     refs = hfa_reference([2, 4], k1=2, k2=3, steps=12, uniform=True)

@@ -38,6 +38,14 @@ class HFA(Algorithm):
     fragments: int = 1  # streaming: F fragments of the model, global on staggered rounds
     overlap: bool = False  # streaming: a fragment's global result merges one round later
     mix: float = 1.0  # streaming with overlap: mix * global + (1 - mix) * local
+    # Adaptive cadence: K2 (starting at k2) is re-chosen after every global average from the
+    # measured extra time of a global average over a datacenter one (the WAN exchange) and the
+    # compute time of a datacenter round, so the exchange takes about ``wan_share`` of the wall
+    # time: K2 = ceil(exchange / (wan_share * round compute)), within [k2_min, k2_max].
+    adaptive: bool = False
+    k2_min: int = 1
+    k2_max: int = 64
+    wan_share: float = 0.1
 
     def period(self) -> int:
         return self.k1 * self.k2
@@ -62,6 +70,32 @@ class HFA(Algorithm):
         if not math.isfinite(self.outer_lr) or self.outer_lr <= 0:
             raise ConfigError(f"HFA(outer_lr={self.outer_lr!r}): must be a finite number > 0")
         check_streaming(self.fragments, self.overlap, self.mix, self.k2, "HFA(", ")")
+        if self.adaptive:
+            self._check_adaptive()
+
+    def _check_adaptive(self) -> None:
+        for what, v in (("k2_min", self.k2_min), ("k2_max", self.k2_max)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"HFA({what}={v!r}): must be a whole number >= 1")
+        if not self.k2_min <= self.k2 <= self.k2_max:
+            raise ConfigError(
+                f"HFA(adaptive=True, k2={self.k2}): the starting k2 must lie within "
+                f"k2_min={self.k2_min} and k2_max={self.k2_max}"
+            )
+        if not (isinstance(self.wan_share, int | float) and 0 < self.wan_share < 1):
+            raise ConfigError(f"HFA(wan_share={self.wan_share!r}): must be in (0, 1)")
+        if self.streaming:
+            raise ConfigError(
+                "HFA(adaptive=True) with fragments or overlap is not supported yet: use one of them"
+            )
+
+    def next_k2(self, exchange_s: float, round_compute_s: float) -> int:
+        """The K2 that makes a global exchange of ``exchange_s`` about ``wan_share`` of the wall
+        time, when a datacenter round computes for ``round_compute_s`` (adaptive cadence)."""
+        if exchange_s <= 0:
+            return self.k2_min
+        k2 = math.ceil(exchange_s / (self.wan_share * max(round_compute_s, 1e-9)))
+        return max(self.k2_min, min(self.k2_max, k2))
 
     @classmethod
     def from_config(cls, cfg) -> HFA:
@@ -91,9 +125,9 @@ class HFA(Algorithm):
         from geompi.ps.servers import build_server  # MPI loads with the servers, not before
 
         streaming = {"fragments": self.fragments, "overlap": self.overlap, "mix": self.mix}
-        return build_server(
-            topo, comms, stats, k2=self.k2, streaming=streaming, **_sync_tier(common)
-        )
+        # adaptive: the workers choose the global rounds (FLAG_GLOBAL), never the counter
+        k2 = 2**31 if self.adaptive else self.k2
+        return build_server(topo, comms, stats, k2=k2, streaming=streaming, **_sync_tier(common))
 
 
 def check_streaming(
@@ -113,3 +147,72 @@ def check_streaming(
             f"{name('overlap')} needs k2 >= 2: a fragment's global result merges at its next "
             "datacenter round, which must not be global again"
         )
+
+
+class Cadence:
+    """HFA's adaptive K2 on the workers (``HFA(adaptive=True)``): which datacenter averages go
+    global, from what the averages took. Every worker measures its own averages; after each
+    global one they agree on the largest K2 any of them asks for (a MAX over every worker), so
+    all go global at the same rounds; their local servers then never choose on their own."""
+
+    WINDOW = 5  # the median of the last few measurements of each kind
+
+    def __init__(self, algo: HFA, all_workers) -> None:
+        self.algo, self.comm = algo, all_workers
+        self.k2 = algo.k2
+        self.since_global = 0  # datacenter-only averages since the last global one
+        self.waits: dict[bool, list[float]] = {True: [], False: []}  # by "was global"
+        self.computes: list[float] = []  # between one average's end and the next one's start
+        self.t_end: float | None = None
+        self.changes: list[dict] = []  # every change of K2, with what it was decided on
+
+    def next_is_global(self) -> bool:
+        return self.since_global + 1 >= self.k2
+
+    def begin(self) -> float:
+        """An average starts now (after a datacenter round's compute)."""
+        import time
+
+        now = time.perf_counter()
+        if self.t_end is not None:
+            self.computes.append(now - self.t_end)
+        return now
+
+    def end(self, started: float, was_global: bool, step: int, decide: bool = True) -> None:
+        """The average that began at ``started`` is done; after a global one, choose K2."""
+        import time
+
+        self.t_end = time.perf_counter()
+        self.waits[was_global].append(self.t_end - started)
+        if not was_global:
+            self.since_global += 1
+            return
+        self.since_global = 0
+        if decide:
+            self._decide(step)
+
+    def _decide(self, step: int) -> None:
+        import statistics
+
+        import numpy as np
+        from mpi4py import MPI
+
+        def recent(values: list[float]) -> float:
+            return statistics.median(values[-self.WINDOW :]) if values else 0.0
+
+        exchange = max(0.0, recent(self.waits[True]) - recent(self.waits[False]))
+        compute = recent(self.computes)
+        wanted = np.array([self.algo.next_k2(exchange, compute)], dtype=np.int64)
+        self.comm.Allreduce(MPI.IN_PLACE, wanted, op=MPI.MAX)  # every worker: the same K2
+        k2 = int(wanted[0])
+        if k2 != self.k2:
+            self.changes.append(
+                {
+                    "step": step,
+                    "exchange_s": exchange,
+                    "round_compute_s": compute,
+                    "old_k2": self.k2,
+                    "new_k2": k2,
+                }
+            )
+            self.k2 = k2

@@ -3,6 +3,7 @@ GeoMX's uniform weighting in the same job; every worker saves its final states. 
 same run next to torch's PostLocalSGDOptimizer with HierarchicalModelAverager over gloo among
 the workers (equal batches, even datacenters)."""
 
+import json
 import sys
 import zlib
 
@@ -42,12 +43,38 @@ def train(weighting: str, tag: str, steps: int = STEPS, **outer) -> None:
     torch.save(model.state_dict(), f"{out}/{tag}-w{w}.pt")
 
 
+def adaptive_under_a_slow_wan() -> None:
+    """K2 starts at 1; a global average crosses an emulated 50 ms WAN both ways (>= 100 ms)
+    while a datacenter round computes for a few ms, so the first decision (after step 2) is
+    k2_max = 4: global averages at steps 2 and 10, then close() at 12 adds the last one."""
+    model = make_model(seed=1 + w)
+    algo = geompi.HFA(k1=K1, k2=1, adaptive=True, k2_max=4)
+    opt = geompi.DistributedOptimizer(
+        hfa_optimizer(model), model, sync=algo, bucket_mb=0.002, wan_latency="50ms"
+    )
+    loss_fn = torch.nn.CrossEntropyLoss()
+    syncs = []
+    for t in range(STEPS):
+        x, y, extra = data(t)
+        opt.zero_grad()
+        loss_fn(model(x, extra), y).backward()
+        opt.step()
+        syncs.append(opt.global_syncs)
+    report = opt.close()
+    torch.save(model.state_dict(), f"{out}/adaptive-w{w}.pt")
+    with open(f"{out}/adaptive-w{w}.json", "w") as f:
+        json.dump({"syncs": syncs, "final": opt.global_syncs, "report": report}, f)
+
+
 train("samples", "hfa")
 if mode == "sim":  # the same job also runs GeoMX's uniform weighting and an outer optimizer
     train("uniform", "uniform")
     train("samples", "outer", outer_optimizer="nesterov", outer_lr=0.7)
     for steps in (9, 10):  # close() after a local step, and right after a datacenter average
         train("samples", f"tail{steps}", steps=steps, outer_optimizer="nesterov", outer_lr=0.7)
+    # Adaptive cadence pinned to K2=3 (k2_min = k2_max) is plain HFA, bitwise.
+    train("samples", "pinned", adaptive=True, k2_min=3, k2_max=3)
+    adaptive_under_a_slow_wan()
 geompi.finish()
 
 if mode == "torch":
