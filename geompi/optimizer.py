@@ -405,6 +405,8 @@ class Synchronizer:
         self.init_round(spec, send_restore)
         self.stats.reset_time()  # the report's waits and wall time cover training, not INIT
         self.t_start = time.perf_counter()
+        if self.cadence is not None:
+            self.cadence.start()
 
     def state(self) -> dict:
         """The counters a checkpoint keeps (the names are those of the file format)."""

@@ -166,6 +166,12 @@ class Cadence:
         self.t_end: float | None = None
         self.changes: list[dict] = []  # every change of K2, with what it was decided on
 
+    def start(self) -> None:
+        """Training starts now: the first datacenter round's compute counts from here."""
+        import time
+
+        self.t_end = time.perf_counter()
+
     def next_is_global(self) -> bool:
         return self.since_global + 1 >= self.k2
 
