@@ -58,11 +58,26 @@ def test_resolve(sync, cls):
         (HFA(outer_lr=float("nan")), "outer_lr=nan"),
         (MixedSync(max_staleness=0), "max_staleness=0"),
         (42, "sync=42"),
+        (HFA(k2=8, adaptive=True, k2_max=4), "starting k2 must lie within"),
+        (HFA(adaptive=True, k2_min=0), "k2_min=0"),
+        (HFA(adaptive=True, wan_share=1.0), "wan_share=1.0"),
+        (HFA(k2=2, adaptive=True, fragments=2), "adaptive=True. with fragments"),
     ],
 )
 def test_resolve_refuses(bad, words):
     with pytest.raises(ConfigError, match=words):
         resolve(bad)
+
+
+def test_adaptive_k2_keeps_the_exchange_at_its_share_of_the_wall_time():
+    """K2 = ceil(exchange / (wan_share * round compute)), within [k2_min, k2_max]."""
+    algo = HFA(k1=8, k2=4, adaptive=True, k2_min=2, k2_max=40, wan_share=0.1)
+    assert algo.next_k2(exchange_s=1.0, round_compute_s=0.5) == 20  # 1 / (0.1 * 0.5)
+    assert algo.next_k2(exchange_s=1.01, round_compute_s=0.5) == 21  # rounded up
+    assert algo.next_k2(exchange_s=0.01, round_compute_s=0.5) == 2  # k2_min
+    assert algo.next_k2(exchange_s=0.0, round_compute_s=0.5) == 2
+    assert algo.next_k2(exchange_s=100.0, round_compute_s=0.5) == 40  # k2_max
+    assert algo.next_k2(exchange_s=1.0, round_compute_s=0.0) == 40  # no compute measured
 
 
 def test_server_spec_reads_the_users_optimizer():
