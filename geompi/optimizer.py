@@ -278,7 +278,6 @@ class Synchronizer:
         named = list(model.named_parameters())
         self.params = [p for _, p in named]
         self.buckets = Buckets(named, int(bucket_mb * 2**20))
-        self.index = {id(p): i for i, p in enumerate(self.params)}
         self.float_buffers = synchronized_buffers(model)
         self.client = PSClient(
             Link(session.comms.dc, LAN, self.stats), worker_timeout(session.cfg.comm_timeout)
@@ -295,7 +294,9 @@ class Synchronizer:
         # FSA's default placement: every worker steps on the global gradient
         self.grads_to_workers = not algo.on_servers and not algo.local_steps
         g = session.topo.num_global_servers
-        self.present_g = torch.zeros(g, len(self.params))  # in the layout's (bucket) order
+        # Per parameter, in the layout's (bucket) order: 1 if this worker has its gradient this
+        # round, one row per global server (the presence key); FSA's aux carries row 0.
+        self.present_g = torch.zeros(g, len(self.params))
         self.layout_pos = {
             id(p): i for i, p in enumerate(p for b in self.buckets for _, p, _ in b.members)
         }
@@ -329,7 +330,6 @@ class Synchronizer:
         self.window_closes = False
         self.reqs = None
         self.synced = False
-        self.present = torch.zeros(len(self.params))
         self.steps = 0
         self.dc_rounds = 0
         self.hfa_samples = 0
@@ -521,7 +521,6 @@ class Synchronizer:
             return
         bucket, off, numel = self.buckets.where[id(p)]
         torch.mul(p.grad.reshape(-1), self.weight, out=bucket.grads[off : off + numel])
-        self.present[self.index[id(p)]] = 1.0
         self.present_g[:, self.layout_pos[id(p)]] = 1.0
         self.ready[bucket.key] += 1
         self._issue(complete_only=True)
@@ -549,7 +548,6 @@ class Synchronizer:
         self.weight = self._weight()
         self.ready = [0] * len(self.buckets)
         self.issued = 0
-        self.present.zero_()
         for b in self.buckets:
             b.grads.zero_()
         self.present_g.zero_()
@@ -600,7 +598,7 @@ class Synchronizer:
         fsa = self.grads_to_workers
         if fsa:
             self.aux_send[0] = self.weight
-            self.aux_send[1 : 1 + len(self.params)].copy_(self.present)
+            self.aux_send[1 : 1 + len(self.params)].copy_(self.present_g[0])
             self._pack_buffers(self._buffer_slice(self.aux_send), self.weight)
             self.client.push(self.reqs, self.aux_send)
             for out in self.results:
@@ -626,11 +624,11 @@ class Synchronizer:
                 self._unpack_buffers(self.aux_recv, 1.0)
             return
         total = float(self.aux_recv[0])
-        counts = self.aux_recv[1 : 1 + len(self.params)].tolist()
+        counts = self.aux_recv[1 : 1 + len(self.params)].tolist()  # in the layout's order
         for out in self.results:
             out.div_(total)
-        for p, count in zip(self.params, counts):
-            if count == 0:
+        for p in self.params:
+            if counts[self.layout_pos[id(p)]] == 0:
                 p.grad = None  # no worker had a gradient: torch.optim leaves it alone
             else:
                 bucket, off, numel = self.buckets.where[id(p)]
@@ -648,7 +646,6 @@ class Synchronizer:
             if p.grad is not None and p.requires_grad:
                 bucket, off, numel = self.buckets.where[id(p)]
                 torch.mul(p.grad.reshape(-1), self.weight, out=bucket.grads[off : off + numel])
-                self.present[self.index[id(p)]] = 1.0
                 self.present_g[:, self.layout_pos[id(p)]] = 1.0
         self._finish_round()
 
