@@ -54,7 +54,7 @@ BENCHMARKS: dict[str, tuple[int | None, list[str], float, bool]] = {
     "soak": (16, [], 1200, False),
 }
 DEFAULT_TIMEOUT = 900.0
-NOT_BENCHMARKS = {"run_all", "make_table"}
+NOT_BENCHMARKS = {"run_all", "make_table", "lm_common"}
 
 
 def discover() -> dict[str, tuple[int | None, list[str], float, bool]]:

@@ -27,25 +27,17 @@ Writes bench/results/streaming_wan.json (and a plot, with matplotlib, afterwards
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import pathlib
 import statistics
 import sys
-import time
 
 import torch
+from lm_common import ROOT, load_example, model_and_adamw, train
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run from a checkout
+import geompi
 
-import geompi  # noqa: E402
-
-_spec = importlib.util.spec_from_file_location(
-    "transformer_lm", ROOT / "examples/transformer_lm.py"
-)
-lm = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(lm)
+lm = load_example()
 
 p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=96)
@@ -82,9 +74,7 @@ METHODS = {
 
 def run(method: str, link: str, steps: int) -> dict:
     sync, compression = METHODS[method]
-    torch.manual_seed(0)
-    model = lm.TinyGPT(seq=args.seq)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    model, opt = model_and_adamw(lm, args.seq)
     opt = geompi.DistributedOptimizer(
         opt,
         model,
@@ -96,17 +86,7 @@ def run(method: str, link: str, steps: int) -> dict:
     )
     sampler = geompi.DistributedSampler(dataset, shuffle=True, seed=0)
     loader = iter(torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, sampler=sampler))
-    loss_fn = torch.nn.CrossEntropyLoss()
-    losses, walls = [], []
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        x, y = next(loader)
-        opt.zero_grad()
-        loss = loss_fn(model(x).flatten(0, 1), y.flatten())
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-        walls.append(time.perf_counter() - t0)
+    losses, walls = train(model, opt, loader, steps)
     report = opt.close()
     if report is None:
         return {}

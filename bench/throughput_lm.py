@@ -20,26 +20,18 @@ bench/results/throughput_lm.json.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import pathlib
 import socket
 import statistics
-import sys
 import time
 
 import torch
+from lm_common import ROOT, load_example, model_and_adamw
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from a checkout
+import geompi
 
-import geompi  # noqa: E402
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location(
-    "transformer_lm", ROOT / "examples/transformer_lm.py"
-)
-lm = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(lm)
+lm = load_example()
 
 p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=16, help="timed steps (a multiple of k1*k2)")
@@ -95,9 +87,7 @@ def batches(steps: int):
 
 
 def model_and_opt():
-    torch.manual_seed(0)
-    model = lm.TinyGPT(seq=args.seq)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    return model_and_adamw(lm, args.seq)
 
 
 def loop(model, opt, steps, after_step=None) -> float:
