@@ -172,7 +172,9 @@ def test_hfa_adaptive_cadence(hfa_sim):
     assert report["k2"] == 4
     assert [(c["step"], c["old_k2"], c["new_k2"]) for c in report["k2_changes"]] == [(2, 1, 4)]
     change = report["k2_changes"][0]
-    assert change["exchange_s"] >= 0.1 > change["round_compute_s"], change
+    # 50 ms each way is a floor; the rounds' compute only has to be well below it (K2 = 4 needs
+    # exchange / (0.1 * compute) > 3), which a loaded machine still gives
+    assert change["exchange_s"] >= 0.1 and change["round_compute_s"] < change["exchange_s"]
     first = torch.load(hfa_sim / "adaptive-w0.pt")
     for w in range(1, 6):
         got = torch.load(hfa_sim / f"adaptive-w{w}.pt")
