@@ -465,10 +465,10 @@ class AsyncGlobalServer(GlobalServer):
         weight, flags = per_dc(ctrl, d, WEIGHT), int(per_dc(ctrl, d, FLAGS))
         slot = torch.from_numpy(win.slot(d)).view(torch.uint8)
         rnd = Round(Op.GRAD, 0, [(k, 0) for k in keys], weight, 0, flags)
-        pos, mean = presence_position(rnd), mean_position(rnd)
+        pos, mean, plain = presence_position(rnd), mean_position(rnd), plain_positions(rnd)
         regions, off = [], 0  # (key, offset in the slot, codec), presence first
         for i, k in enumerate(keys):
-            codec = _codec(self.codec, i, plain_positions(rnd))
+            codec = _codec(self.codec, i, plain)
             regions.append((k, off, codec))
             off += region_bytes(codec, self.offsets[k][1])
         mean_key = None if mean is None else keys[mean]

@@ -155,7 +155,8 @@ class GlobalServer:
         pos = presence_position(rnd)  # never compressed; read first, it says what to step
         mean = mean_position(rnd)  # buffers: averaged, never stepped or compressed
         codec_round = self.codec is not None and rnd.op in (Op.GRAD, Op.AVG)
-        packed = [codec_round and i not in plain_positions(rnd) for i in range(len(rnd.keys))]
+        plain = plain_positions(rnd)
+        packed = [codec_round and i not in plain for i in range(len(rnd.keys))]
         sizes = [self._slice_len(n) for _, n in rnd.keys]
         incoming = [
             [

@@ -11,6 +11,8 @@ merged one round later); the global servers average datacenters and step the out
 from __future__ import annotations
 
 import math
+import statistics
+import time
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -168,8 +170,6 @@ class Cadence:
 
     def start(self) -> None:
         """Training starts now: the first datacenter round's compute counts from here."""
-        import time
-
         self.t_end = time.perf_counter()
 
     def next_is_global(self) -> bool:
@@ -177,8 +177,6 @@ class Cadence:
 
     def begin(self) -> float:
         """An average starts now (after a datacenter round's compute)."""
-        import time
-
         now = time.perf_counter()
         if self.t_end is not None:
             self.computes.append(now - self.t_end)
@@ -186,8 +184,6 @@ class Cadence:
 
     def end(self, started: float, was_global: bool, step: int, decide: bool = True) -> None:
         """The average that began at ``started`` is done; after a global one, choose K2."""
-        import time
-
         self.t_end = time.perf_counter()
         self.waits[was_global].append(self.t_end - started)
         if not was_global:
@@ -198,8 +194,6 @@ class Cadence:
             self._decide(step)
 
     def _decide(self, step: int) -> None:
-        import statistics
-
         import numpy as np
         from mpi4py import MPI
 
