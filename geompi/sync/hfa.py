@@ -60,7 +60,10 @@ class HFA(Algorithm):
         return {"name": self.outer_optimizer, "lr": self.outer_lr}
 
     def validate(self) -> None:
-        for what, v in (("k1", self.k1), ("k2", self.k2)):
+        counts = [("k1", self.k1), ("k2", self.k2)]
+        if self.adaptive:
+            counts += [("k2_min", self.k2_min), ("k2_max", self.k2_max)]
+        for what, v in counts:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"HFA({what}={v!r}): must be a whole number >= 1")
         if self.weighting not in ("samples", "uniform"):
@@ -76,9 +79,6 @@ class HFA(Algorithm):
             self._check_adaptive()
 
     def _check_adaptive(self) -> None:
-        for what, v in (("k2_min", self.k2_min), ("k2_max", self.k2_max)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ConfigError(f"HFA({what}={v!r}): must be a whole number >= 1")
         if not self.k2_min <= self.k2 <= self.k2_max:
             raise ConfigError(
                 f"HFA(adaptive=True, k2={self.k2}): the starting k2 must lie within "
