@@ -58,6 +58,10 @@ class RunConfig:
     hfa_fragments: int = 1
     hfa_overlap: bool = False
     hfa_mix: float = 1.0
+    adaptive_sync: bool = False
+    k2_min: int = 1
+    k2_max: int = 64
+    wan_share: float = 0.1
     # MixedSync / DCASGD
     dcasgd_lambda: float = 0.04
     dcasgd_adaptive: bool = False
@@ -176,8 +180,12 @@ class RunConfig:
                     "fragments are global at different rounds, so no round has one global "
                     "model to resume from exactly; drop one"
                 )
+            if self.adaptive_sync:
+                self._check_adaptive()
         elif self.hfa_fragments != 1 or self.hfa_overlap:
             raise ConfigError("--hfa-fragments/--hfa-overlap are for --sync hfa: drop them")
+        elif self.adaptive_sync:
+            raise ConfigError("--adaptive-sync chooses HFA's K2: use it with --sync hfa")
         for name in ("effective_momentum", "weight_decay", "dcasgd_lambda"):
             v = getattr(self, name)
             name = name.replace("effective_", "")
@@ -222,9 +230,10 @@ class RunConfig:
         period = self.algorithm.period()
         if self.checkpoint_every % period:
             lo = max(period, self.checkpoint_every // period * period)
+            what = "K1" if self.adaptive_sync else "K1*K2"
             raise ConfigError(
-                f"--checkpoint-every {self.checkpoint_every} is not a multiple of K1*K2 = {period}:"
-                f" HFA checkpoints at global syncs; use {lo} or {lo + period}"
+                f"--checkpoint-every {self.checkpoint_every} is not a multiple of {what} = "
+                f"{period}: HFA checkpoints at global syncs; use {lo} or {lo + period}"
             )
         for dc, factor in self.dc_slowdown.items():
             if not (math.isfinite(factor) and factor >= 1):
@@ -236,6 +245,32 @@ class RunConfig:
             )
         self.wan_settings()
         return self
+
+    def _check_adaptive(self) -> None:
+        """``--adaptive-sync``'s settings (HFA only, without streaming)."""
+        _positive_int(self, "k2_min", "--k2-min")
+        _positive_int(self, "k2_max", "--k2-max")
+        if self.k2_min > self.k2_max:
+            raise ConfigError(f"--k2-min {self.k2_min} is above --k2-max {self.k2_max}")
+        if "k2" in self.sources and not self.k2_min <= self.k2 <= self.k2_max:
+            raise ConfigError(
+                f"{self.sources['k2']} {self.k2}: the starting K2 of --adaptive-sync must lie "
+                f"within --k2-min {self.k2_min} and --k2-max {self.k2_max}"
+            )
+        if not (isinstance(self.wan_share, int | float) and 0 < self.wan_share < 1):
+            raise ConfigError(f"--wan-share {self.wan_share}: must be a number in (0, 1)")
+        if self.hfa_fragments > 1 or self.hfa_overlap:
+            raise ConfigError(
+                "--adaptive-sync with --hfa-fragments/--hfa-overlap is not supported yet: "
+                "drop one of them"
+            )
+
+    @property
+    def starting_k2(self) -> int:
+        """HFA's K2 at the start: --k2, or with --adaptive-sync and no --k2, --k2-min."""
+        if self.adaptive_sync and "k2" not in self.sources:
+            return min(max(self.k2, self.k2_min), self.k2_max)
+        return self.k2
 
 
 def _positive_int(cfg: RunConfig, name: str, flag: str) -> None:
@@ -380,6 +415,26 @@ def build_parser() -> argparse.ArgumentParser:
         type=_float,
         help="streaming HFA with overlap: mix * global + (1 - mix) * local "
         f"(default {d.hfa_mix:g}: replace)",
+    )
+    a.add_argument(
+        "--adaptive-sync",
+        action="store_true",
+        default=None,
+        help="HFA: re-choose K2 after every global average from the measured WAN exchange and "
+        "datacenter-round compute, so the exchange takes about --wan-share of the time "
+        "(default off; starts at --k2, or --k2-min)",
+    )
+    a.add_argument(
+        "--k2-min", type=_int("--k2-min"), help=f"--adaptive-sync: smallest K2 (default {d.k2_min})"
+    )
+    a.add_argument(
+        "--k2-max", type=_int("--k2-max"), help=f"--adaptive-sync: largest K2 (default {d.k2_max})"
+    )
+    a.add_argument(
+        "--wan-share",
+        type=_float,
+        help=f"--adaptive-sync: the share of wall time the WAN exchange may take "
+        f"(default {d.wan_share:g})",
     )
     w = p.add_argument_group("WAN emulation and compression (the global tier)")
     w.add_argument(

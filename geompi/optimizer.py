@@ -342,6 +342,7 @@ class Synchronizer:
 
             self.cadence = Cadence(algo, session.comms.all_workers)
         self.global_syncs = 0
+        self.global_next = False  # adaptive cadence: the next datacenter average goes global
         self.skipped = 0
         self.closed = False
         self.average_due = False  # HFA: K1 steps done, the datacenter average not yet
@@ -413,6 +414,8 @@ class Synchronizer:
         out = {"global_syncs": self.global_syncs}
         if self.algo.local_steps:
             out.update(steps=self.steps, dc_rounds=self.dc_rounds, samples=self.hfa_samples)
+        if self.cadence is not None:
+            out["k2"] = self.cadence.k2
         return out
 
     def load_state(self, state: dict) -> None:
@@ -421,6 +424,8 @@ class Synchronizer:
         self.dc_rounds = int(state.get("dc_rounds", 0))
         self.steps_at_global = self.steps  # HFA's checkpoints are at global averages
         self.hfa_samples = int(state.get("samples", 0))
+        if self.cadence is not None:  # at a global average: K2 as it was chosen then
+            self.cadence.restart(state.get("k2"))
 
     @torch.no_grad()
     def init_round(self, spec: dict | None = None, send_restore=None) -> None:
@@ -716,7 +721,8 @@ class Synchronizer:
             go_global = final or (self.dc_rounds + 1) % algo.k2 == 0
             self._average(weight, final)
         else:  # adaptive: the workers choose, and say so (FLAG_GLOBAL)
-            go_global = final or cadence.next_is_global()
+            go_global = final or self.global_next or cadence.next_is_global()
+            self.global_next = False
             started = cadence.begin()
             self._average(weight, go_global)
             cadence.end(started, go_global, self.steps, decide=not final)

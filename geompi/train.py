@@ -171,8 +171,12 @@ class Worker:
         # K1*K2: a stop between global syncs rewinds the workers to the last one (each keeps
         # its state from there) and checkpoints that. Every worker takes the same path, and
         # no cross-datacenter round is added. Streaming HFA has no such point: it stops as is.
-        period = self.algo.period()
-        rewind = Rewind(self) if hfa and self.algo.k2 > 1 and not self.algo.streaming else None
+        # Adaptive cadence (--adaptive-sync) makes the rounds it checkpoints at, and the last
+        # one, global: the run ends on the global model, and each checkpoint holds one.
+        adaptive = hfa and self.algo.adaptive
+        every = cfg.checkpoint_every if self.checkpoints else 0
+        multi = hfa and (self.algo.k2 > 1 or adaptive) and not self.algo.streaming
+        rewind = Rewind(self) if multi else None
         start_step = self.step
         while self.step < self.total_steps:
             t0 = time.perf_counter()
@@ -195,6 +199,11 @@ class Worker:
             agreeing = agreeing and not stopping and self.step + 1 < self.total_steps
             if agreeing:
                 stop.begin()
+            if adaptive and (
+                self.step + 1 == self.total_steps or every and (self.step + 1) % every == 0
+            ):
+                self.engine.global_next = True
+            syncs = self.engine.global_syncs
             self.engine.step(None, self.opt.step)  # as DistributedOptimizer.step()
             if agreeing:
                 stopping = stop.end()
@@ -210,7 +219,7 @@ class Worker:
                 if not last:
                     self._save(log)
                     saved_at = self.step
-            if rewind and self.step % period == 0:
+            if rewind and self.engine.global_syncs != syncs:  # a global average, this step
                 rewind.record()
             # Agreeing on a stop is a collective over every worker (HFA's, above, at its
             # datacenter rounds).
@@ -222,7 +231,7 @@ class Worker:
         train_s = time.perf_counter() - t_start  # before waiting for other datacenters
         stop.close()
         stopped_at = self.step
-        if rewind and self.step % period:
+        if rewind and self.engine.steps_at_global != self.engine.steps:
             rewind.restore()
         nothing_new = preempted and self.step == start_step and stopped_at != self.step
         if self.checkpoints and saved_at != self.step and not mixed and not nothing_new:
@@ -244,6 +253,8 @@ class Worker:
             "global_syncs": self.engine.global_syncs,
             "signal": stop.signal_name,
         }
+        if self.engine.cadence is not None:  # --adaptive-sync: the K2 it ended with
+            out.update(k2=self.engine.cadence.k2, k2_changes=len(self.engine.cadence.changes))
         if self.master:
             acc, tl = evaluate(self.model, self.ds.x_test, self.ds.y_test)
             out.update(test_acc=acc, test_loss=tl)
@@ -324,6 +335,8 @@ class Progress:
     def __init__(self, log: MetricsLog | None, worker: Worker, t_start: float) -> None:
         self.log, self.w, self.t_start = log, worker, t_start
         self.last = t_start
+        self.cadence = worker.engine.cadence  # --adaptive-sync: a line per change of K2
+        self.k2_written = 0
 
     def step(self, loss: torch.Tensor) -> None:
         if self.log is None:
@@ -333,12 +346,18 @@ class Progress:
         w, cfg = self.w, self.w.cfg
         now = time.perf_counter()
         self.log.write({"step": w.step, "loss": loss.item(), "wall_s": now - self.t_start})
+        cadence = self.cadence
+        if cadence is not None:
+            for change in cadence.changes[self.k2_written :]:  # "step" is the change's own
+                self.log.write({"event": "k2", **change, "wall_s": now - self.t_start})
+            self.k2_written = len(cadence.changes)
         if now - self.last >= cfg.progress_every:
             self.last = now
             rate = w.samples * w.topo.num_workers / (now - self.t_start)
+            k2 = f" K2 {cadence.k2}" if cadence is not None else ""
             say(
                 f"geompi: step {w.step}/{w.total_steps} epoch {w.loader.epoch} "
-                f"loss {loss.item():.4f} {rate:.0f} samples/s"
+                f"loss {loss.item():.4f} {rate:.0f} samples/s{k2}"
             )
         if cfg.eval_every and w.step % cfg.eval_every == 0:
             acc, tl = evaluate(w.model, w.ds.x_test, w.ds.y_test)
@@ -469,7 +488,9 @@ def _train(cfg: RunConfig, comm) -> dict | None:
         figures = (
             f"test_acc={result['test_acc']:.4f} steps={result['steps']} "
             f"wall_s={result['wall_s']:.1f} lan_bytes={totals['lan_bytes']} "
-            f"wan_bytes={totals['wan_bytes']} time: "
+            f"wan_bytes={totals['wan_bytes']} "
+            + (f"k2={result['k2']} " if "k2" in result else "")
+            + "time: "
             + " ".join(
                 f"{k[:-2]}={v:.1f}s" for k, v in summary["time_split"].items() if "held" not in k
             )

@@ -286,6 +286,21 @@ def test_dcasgd_with_hfa_is_rejected() -> None:
         (["--comm-timeout", "inf"], "--comm-timeout inf"),
         (["--bucket-mb", "nan"], "--bucket-mb nan"),
         (["--sync", "hfa", "--optimizer", "dcasgd"], "--optimizer dcasgd"),
+        (["--adaptive-sync"], "--adaptive-sync chooses HFA's K2: use it with --sync hfa"),
+        (["--sync", "hfa", "--adaptive-sync", "--k2-min", "0"], "--k2-min 0"),
+        (["--sync", "hfa", "--adaptive-sync", "--k2-min", "5", "--k2-max", "2"], "--k2-min 5 is"),
+        (["--sync", "hfa", "--adaptive-sync", "--k2", "8", "--k2-max", "4"], "--k2 8: the start"),
+        (["--sync", "hfa", "--adaptive-sync", "--wan-share", "1"], "--wan-share 1"),
+        (["--sync", "hfa", "--adaptive-sync", "--wan-share", "nan"], "--wan-share nan"),
+        (
+            ["--sync", "hfa", "--adaptive-sync", "--k2", "2", "--hfa-fragments", "2"],
+            "--adaptive-sync with --hfa-fragments",
+        ),
+        (
+            ["--sync", "hfa", "--adaptive-sync", "--k1", "4", "--checkpoint-every", "6"]
+            + ["--checkpoint-dir", "d"],
+            "not a multiple of K1 = 4",
+        ),
     ],
 )
 def test_validate_errors(argv: list[str], needle: str) -> None:
@@ -310,6 +325,22 @@ def test_validate_errors(argv: list[str], needle: str) -> None:
 )
 def test_validate_accepts_edge_values(argv: list[str]) -> None:
     assert isinstance(cfg(*argv).validate(), RunConfig)
+
+
+def test_adaptive_sync_flags_make_the_algorithm() -> None:
+    """--adaptive-sync's flags reach HFA; without --k2 it starts at --k2-min, and with it
+    checkpoints need only whole datacenter rounds (it makes those rounds global)."""
+    c = cfg(
+        "--sync", "hfa", "--adaptive-sync", "--k1", "4", "--k2-min", "3", "--k2-max", "9",
+        "--wan-share", "0.2", "--checkpoint-every", "8", "--checkpoint-dir", "d",
+    ).validate()  # fmt: skip
+    algo = c.algorithm
+    assert (algo.adaptive, algo.k2, algo.k2_min, algo.k2_max, algo.wan_share) == (
+        True, 3, 3, 9, 0.2,
+    )  # fmt: skip
+    assert algo.period() == 4
+    assert cfg("--sync", "hfa", "--adaptive-sync", "--k2", "5").validate().algorithm.k2 == 5
+    assert not cfg("--sync", "hfa", "--k2", "5").validate().algorithm.adaptive
 
 
 @pytest.mark.parametrize("k1", [1.5, "2", True, 0])

@@ -15,8 +15,8 @@ pytestmark = pytest.mark.mpi
 BASE = ["-m", "geompi.train", "--model", "mlp", "--batch-size", "12", "--progress-every", "1e9"]
 
 
-def train(n, *args, timeout=120, check=True):
-    return mpirun(n, BASE + [str(a) for a in args], timeout=timeout, check=check)
+def train(n, *args, timeout=120, check=True, env=None):
+    return mpirun(n, BASE + [str(a) for a in args], timeout=timeout, check=check, env=env)
 
 
 def _leaves(tree, prefix=""):
@@ -68,6 +68,40 @@ def test_resume_is_bitwise_identical(tmp_path, algo):
     else:
         assert {"exp_avg", "exp_avg_sq", "step"} <= set(ca.optimizer)
     assert not identical(a, part / "ckpt-00000008.h5")  # the comparison can fail
+
+
+def test_adaptive_sync_checkpoints_its_k2_and_resumes_exactly(tmp_path):
+    """--adaptive-sync in the CLI (issue 14, point 4): under a 100 ms emulated WAN, K2 goes
+    from 1 to --k2-max 3 at the first global average (one metrics line), the checkpoint rounds
+    (every 10 steps) and the last are made global, and each checkpoint holds K2. A SIGTERM
+    after step 13 stops at round 14 and rewinds to step 10; the resume starts from K2 = 3 (from
+    1 it would go global at step 12) and ends bitwise where an uninterrupted run ends."""
+    hfa = ["--sync", "hfa", "--adaptive-sync", "--k1", 2, "--k2-max", 3, "--wan-latency", "100ms"]
+    hfa += ["--dc-sizes", "4,2", "--momentum", 0.9, "--steps", 20, "--checkpoint-every", 10]
+    full, part = tmp_path / "full", tmp_path / "part"
+    res = train(7, *hfa, "--checkpoint-dir", full, "--metrics", tmp_path / "m.jsonl")
+    assert "k2=3" in res.stderr, res.stderr[-3000:]
+    records = read_jsonl(tmp_path / "m.jsonl")
+    changes = [r for r in records if r.get("event") == "k2"]
+    assert [(c["step"], c["old_k2"], c["new_k2"]) for c in changes] == [(2, 1, 3)], changes
+    summary = records[-1]
+    # global at 2 (K2 1), 8 (K2 3), 10 (a checkpoint), 16, 20 (the last)
+    assert (summary["k2"], summary["k2_changes"], summary["global_syncs"]) == (3, 1, 5)
+    for step in (10, 20):
+        strategy = ckpt.load(full / ckpt.checkpoint_name(step)).algorithm["strategy"]
+        assert strategy["k2"] == 3 and strategy["steps"] == step, strategy
+    res = train(
+        7, *hfa, "--checkpoint-dir", part, env={"GEOMPI_FAULT_SIGNAL_AT": "13:1"}, check=False
+    )
+    assert res.returncode == 0 and not error_lines(res.stderr), res.stderr[-3000:]
+    assert "at step 10 (stopped at step 14, between global syncs" in res.stderr, res.stderr[-3000:]
+    assert [p.name for p in ckpt.list_checkpoints(part)] == [ckpt.checkpoint_name(10)]
+    assert identical(part / ckpt.checkpoint_name(10), full / ckpt.checkpoint_name(10))
+    res = train(7, *hfa, "--checkpoint-dir", part, "--resume", "latest")
+    assert "at step 10" in res.stderr and "steps=20" in res.stderr, res.stderr[-3000:]
+    name = ckpt.checkpoint_name(20)
+    assert identical(part / name, full / name)
+    assert not identical(part / name, part / ckpt.checkpoint_name(10))
 
 
 def test_resume_onto_another_topology_reshards(tmp_path):

@@ -50,7 +50,9 @@ class HFA(Algorithm):
     wan_share: float = 0.1
 
     def period(self) -> int:
-        return self.k1 * self.k2
+        """Steps between the rounds where training may stop on one global model: K1*K2, or
+        K1 with adaptive cadence (its caller may make any datacenter round global)."""
+        return self.k1 if self.adaptive else self.k1 * self.k2
 
     @property
     def streaming(self) -> bool:
@@ -103,7 +105,7 @@ class HFA(Algorithm):
     def from_config(cls, cfg) -> HFA:
         return cls(
             k1=cfg.k1,
-            k2=cfg.k2,
+            k2=cfg.starting_k2,
             weighting=cfg.hfa_weighting,
             outer_optimizer=cfg.outer_optimizer,
             outer_lr=cfg.outer_lr,
@@ -111,6 +113,10 @@ class HFA(Algorithm):
             fragments=cfg.hfa_fragments,
             overlap=cfg.hfa_overlap,
             mix=cfg.hfa_mix,
+            adaptive=cfg.adaptive_sync,
+            k2_min=cfg.k2_min,
+            k2_max=cfg.k2_max,
+            wan_share=cfg.wan_share,
         )
 
     def server_spec(self, optimizer: torch.optim.Optimizer) -> dict | None:
@@ -171,6 +177,13 @@ class Cadence:
     def start(self) -> None:
         """Training starts now: the first datacenter round's compute counts from here."""
         self.t_end = time.perf_counter()
+
+    def restart(self, k2: int | None) -> None:
+        """Back at a global average (a resume, a rewind), with the K2 chosen by then (if
+        known), kept within this run's bounds."""
+        if k2 is not None:
+            self.k2 = max(self.algo.k2_min, min(self.algo.k2_max, int(k2)))
+        self.since_global = 0
 
     def next_is_global(self) -> bool:
         return self.since_global + 1 >= self.k2
