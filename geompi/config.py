@@ -18,6 +18,10 @@ from dataclasses import asdict, dataclass, field, fields
 from geompi.errors import ConfigError
 from geompi.factory import check_spec, is_spec
 
+# How a datacenter sums its workers' pushes (geompi.ps.client.scatters): "funnel" through the
+# local server, "scatter" (reduce-scatter among the workers first), or "auto" by size.
+LAN_REDUCE = ("auto", "funnel", "scatter")
+
 SYNCS = ("fsa", "mixed", "hfa")  # --sync's choices: geompi.sync.REGISTRY's names
 ON_NONFINITE = ("abort", "skip")
 
@@ -48,6 +52,7 @@ class RunConfig:
     seed: int = 0
     split_by_class: bool = False
     bucket_mb: float = 1.0
+    lan_reduce: str = "auto"
     # HFA
     k1: int = 1
     k2: int = 1
@@ -207,6 +212,11 @@ class RunConfig:
             )
         if self.on_nonfinite not in ON_NONFINITE:
             raise ConfigError(f"unknown --on-nonfinite {self.on_nonfinite!r}: choose abort or skip")
+        if self.lan_reduce not in LAN_REDUCE:
+            src = self.sources.get("lan_reduce", "--lan-reduce")
+            raise ConfigError(
+                f"unknown {src} {self.lan_reduce!r}: choose one of {', '.join(LAN_REDUCE)}"
+            )
         if self.dc_map not in ("blocks", "nodes"):
             raise ConfigError(f"unknown --dc-map {self.dc_map!r}: choose blocks or nodes")
         if self.max_staleness is not None and self.max_staleness < 1:
@@ -513,7 +523,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument(
         "--steps",
         type=_int("--steps"),
-        help="steps to train instead of --epochs (default none; HFA rounds up to K1*K2)",
+        help="steps to train instead of --epochs (default none; HFA rounds up to K1*K2, or "
+        "to K1 with --adaptive-sync)",
     )
     m.add_argument("--seed", type=_int("--seed"), help=f"(default {d.seed})")
     m.add_argument(
@@ -524,6 +535,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     m.add_argument(
         "--bucket-mb", type=_float, help=f"gradient bucket size in MB (default {d.bucket_mb:g})"
+    )
+    t.add_argument(
+        "--lan-reduce",
+        metavar=_one_of(LAN_REDUCE),
+        help="how a datacenter sums its workers' pushes: scatter = reduce-scatter among the "
+        "workers, so the local server takes in one copy of the model, not one per worker; "
+        f"auto = scatter from 4 workers and 1 MiB per round (default {d.lan_reduce})",
     )
     o = p.add_argument_group("output, checkpoints, reliability")
     o.add_argument(
@@ -579,8 +597,11 @@ _ENV = {
     "wan_latency": "GEOMPI_WAN_LATENCY",
     "lan_bandwidth": "GEOMPI_LAN_BANDWIDTH",
     "wan_compression": "GEOMPI_WAN_COMPRESSION",
+    "lan_reduce": "GEOMPI_LAN_REDUCE",
 }
-_ENV_STR = ("sync", "wan_bandwidth", "wan_latency", "lan_bandwidth", "wan_compression")
+_ENV_STR = (
+    "sync", "wan_bandwidth", "wan_latency", "lan_bandwidth", "wan_compression", "lan_reduce",
+)  # fmt: skip
 _GEOMX = {"k1": "MXNET_KVSTORE_HFA_K1", "k2": "MXNET_KVSTORE_HFA_K2"}
 
 

@@ -27,13 +27,15 @@ import torch
 from geompi.comm.buckets import Buckets
 from geompi.comm.buffers import all_finite
 from geompi.comm.transport import LAN, Link, LinkStats, worker_timeout
+from geompi.config import LAN_REDUCE
 from geompi.errors import ConfigError, GeompiError, NonFiniteError
-from geompi.ps.client import PSClient
+from geompi.ps.client import PSClient, scatters
 from geompi.ps.protocol import (
     FLAG_GLOBAL,
     FLAG_MEAN,
     FLAG_PRESENCE,
     FLAG_RAW,
+    FLAG_SCATTER,
     Op,
     presence_payload,
 )
@@ -52,12 +54,14 @@ def DistributedOptimizer(  # noqa: N802 - a factory named like the class it retu
     wan_latency: str | None = None,
     lan_bandwidth: str | None = None,
     wan_compression: str | None = None,
+    lan_reduce: str | None = None,
 ) -> torch.optim.Optimizer:
     """Make ``optimizer`` (built on ``model``'s parameters) train across the job. Collective:
     every worker calls it once, with the same model and settings.
 
     The master worker's parameters and buffers become everyone's. ``wan_*``/``lan_bandwidth``
-    (emulated links, WAN compression) override ``geompi.init``'s for this optimizer's job.
+    (emulated links, WAN compression) and ``lan_reduce`` (how a datacenter sums: "auto",
+    "funnel" or "scatter") override ``geompi.init``'s for this optimizer's job.
     Returns the same optimizer object, now a subclass of its class with ``no_sync()``,
     ``synchronize()``, ``set_batch_size()`` and ``close()``.
     """
@@ -78,6 +82,10 @@ def DistributedOptimizer(  # noqa: N802 - a factory named like the class it retu
         server_spec = _validate(
             optimizer, model, sync, s, bucket_mb, max_grad_norm, backward_passes_per_step, wan
         )
+        if lan_reduce is not None and lan_reduce not in LAN_REDUCE:
+            raise ConfigError(
+                f"lan_reduce={lan_reduce!r}: choose one of {', '.join(map(repr, LAN_REDUCE))}"
+            )
     except GeompiError as e:  # the same on every worker, before any collective call
         session.exit_identically(s, e)
     engine = Synchronizer(
@@ -90,6 +98,7 @@ def DistributedOptimizer(  # noqa: N802 - a factory named like the class it retu
         passes=backward_passes_per_step,
         server_spec=server_spec,
         wan=wan,
+        lan_reduce=lan_reduce,
     )
     wrap(optimizer, engine)
     engine.start()
@@ -262,6 +271,7 @@ class Synchronizer:
         wan: dict | None = None,
         stats: LinkStats | None = None,
         follow_hyperparameters: bool = True,
+        lan_reduce: str | None = None,
     ) -> None:
         self.opt, self.model, self.algo, self.s = optimizer, model, algo, session
         self.server_spec = server_spec
@@ -284,6 +294,10 @@ class Synchronizer:
         )
         device = self.params[0].device if self.params else torch.device("cpu")
         nbuf = sum(b.numel() for b in self.float_buffers)
+        # GRAD and AVG rounds reduce-scatter among the datacenter's workers (--lan-reduce)
+        nbytes = 4 * sum(b.numel for b in self.buckets)
+        scatter = scatters(lan_reduce or session.cfg.lan_reduce, self.client.workers, nbytes)
+        self.lan_flags = FLAG_SCATTER if scatter else 0
         # The extra key after the buckets. FSA: [samples, per-parameter "had a gradient",
         # buffers x samples]; HFA: [buffers x weight]. Where the global servers step (FSA's
         # "servers" placement, MixedSync): buffers x samples as a mean key (FLAG_MEAN: the
@@ -456,7 +470,7 @@ class Synchronizer:
             self.client.pull(reqs, self.present_out)
         if send_restore is not None:
             send_restore(reqs)
-        reqs.wait()
+        self.client.wait(reqs)
         if self.aux_len:
             self._unpack_buffers(self._buffer_slice(self.aux_recv), 1.0)
 
@@ -477,7 +491,7 @@ class Synchronizer:
                 self.client.pull(reqs, b.params)
             if self.aux_len:  # and the datacenters' buffers, averaged
                 self.client.pull(reqs, self.aux_recv)
-            reqs.wait()
+            self.client.wait(reqs)
             if self.aux_len:
                 self._unpack_buffers(self.aux_recv, 1.0)
         else:
@@ -556,7 +570,7 @@ class Synchronizer:
         for b in self.buckets:
             b.grads.zero_()
         self.present_g.zero_()
-        flags = FLAG_PRESENCE if self.server_side else FLAG_RAW
+        flags = (FLAG_PRESENCE if self.server_side else FLAG_RAW) | self.lan_flags
         if self.server_side and self.aux_len:  # buffers: a sample-weighted mean
             flags |= FLAG_MEAN
         self.reqs = self.client.start(
@@ -619,7 +633,7 @@ class Synchronizer:
             if self.aux_len:
                 self.client.pull(self.reqs, self.aux_recv)
             self.client.pull(self.reqs, self.present_out)
-        self.reqs.wait()
+        self.client.wait(self.reqs)
         self.reqs = None
         self.synced = True
         self.samples, self.passes_done, self.explicit_samples = 0, 0, None
@@ -739,7 +753,7 @@ class Synchronizer:
     def _average(self, weight: float, force_global: bool = False) -> None:
         """HFA's datacenter average (every K2-th one global, or every key now with
         ``force_global``) of parameters and float buffers."""
-        flags = FLAG_GLOBAL if force_global else 0
+        flags = (FLAG_GLOBAL if force_global else 0) | self.lan_flags
         reqs = self.client.start(Op.AVG, self.keys(), weight=weight, flags=flags)
         for b in self.buckets:
             torch.mul(b.params, weight, out=b.grads)
@@ -751,6 +765,6 @@ class Synchronizer:
             self.client.pull(reqs, b.params)
         if self.aux_len:
             self.client.pull(reqs, self.aux_recv)
-        reqs.wait()
+        self.client.wait(reqs)
         if self.aux_len:
             self._unpack_buffers(self.aux_recv, 1.0)

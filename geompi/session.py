@@ -34,6 +34,7 @@ INIT_SETTINGS = (
     "comm_timeout",
     "on_nonfinite",
     "max_staleness",
+    "lan_reduce",
 )
 
 

@@ -469,6 +469,7 @@ def _train(cfg: RunConfig, comm) -> dict | None:
         servers = [r for r in reports if r is not None]
         totals = {k: sum(r[k] for r in per_rank) for k in per_rank[0] if k.endswith("_bytes")}
         totals.pop("wan_received_bytes")
+        totals.pop("lan_received_bytes")
         # what reached the global servers: headers, trailers, pushes and MixedSync deposits
         totals["global_in_bytes"] = sum(
             r["wan_received_bytes"] for r in per_rank if r["role"] == Role.GLOBAL_SERVER.name

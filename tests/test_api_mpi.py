@@ -38,6 +38,18 @@ def fsa_1gs(tmp_path_factory):
     return out
 
 
+SCATTER_KINDS = ["sgd", "adam", "clip", "accum", "srv_adamw", "srv_groups_clip"]
+
+
+@pytest.fixture(scope="module")
+def fsa_scatter(tmp_path_factory):
+    """fsa_2gs's job with every datacenter sum reduce-scattered among its workers."""
+    out = tmp_path_factory.mktemp("api_fsa_scatter")
+    args = ["-m", "mpi4py", prog("api_fsa.py"), str(out), "3,5", "2", ",".join(SCATTER_KINDS)]
+    mpirun(10, args, 400, env={"GEOMPI_LAN_REDUCE": "scatter"})
+    return out
+
+
 def _check_fsa(out, kind, workers=6):
     ref = reference(kind, workers, STEPS)
     init = make_model(1).state_dict()
@@ -53,6 +65,28 @@ def _check_fsa(out, kind, workers=6):
     for k in ("frozen.weight", "frozen.bias", "unused.weight", "unused.bias"):
         assert torch.equal(first[k], init[k]), k
     assert not torch.equal(first["extra"], init["extra"]), "the sometimes-used parameter"
+
+
+@pytest.mark.parametrize("kind", SCATTER_KINDS)
+def test_fsa_reduce_scattered_in_the_datacenter_equals_the_funnel(fsa_2gs, fsa_scatter, kind):
+    """lan_reduce="scatter" (the workers reduce-scatter, each pushes its summed slice) gives
+    the bits the local server's own sum gives, so it equals one process as well."""
+    _check_fsa(fsa_scatter, kind)
+    a, b = torch.load(fsa_scatter / f"{kind}-w0.pt"), torch.load(fsa_2gs / f"{kind}-w0.pt")
+    assert all(torch.equal(a[k], b[k]) for k in a), kind
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_reduce_scatter_takes_one_copy_into_the_local_server(fsa_2gs, fsa_scatter, kind):
+    """The local server of a datacenter of W workers takes in W pushes per round through the
+    funnel, one with the reduce-scatter (the INIT round is the funnel's in both)."""
+    funnel = json.loads((fsa_2gs / "local_in.json").read_text())[kind]
+    scatter = json.loads((fsa_scatter / "local_in.json").read_text())[kind]
+    push = 4 * funnel["keys_numel"]
+    assert scatter["keys_numel"] == funnel["keys_numel"]
+    for dc, w in (("0", 2), ("1", 4)):
+        assert funnel["received"][dc] == w * push * (1 + STEPS), (dc, funnel)
+        assert scatter["received"][dc] == w * push + push * STEPS, (dc, scatter)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -122,6 +156,13 @@ def test_hfa_uneven_datacenters_two_global_servers_momentum(hfa_sim):
     for w in range(1, 6):
         got = torch.load(tmp_path / f"hfa-w{w}.pt")
         assert max(float((got[k] - first[k]).abs().max()) for k in got) <= 1e-6
+
+
+def test_hfa_reduce_scattered_in_the_datacenter_equals_the_funnel(hfa_sim):
+    """HFA's averages with lan_reduce="scatter" give every worker the funnel's bits."""
+    for w in range(6):
+        a, b = torch.load(hfa_sim / f"scatter-w{w}.pt"), torch.load(hfa_sim / f"hfa-w{w}.pt")
+        assert all(torch.equal(a[k], b[k]) for k in a), w
 
 
 def test_hfa_equals_torch_post_local_sgd_with_hierarchical_averager(tmp_path):

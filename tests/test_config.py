@@ -286,6 +286,7 @@ def test_dcasgd_with_hfa_is_rejected() -> None:
         (["--comm-timeout", "inf"], "--comm-timeout inf"),
         (["--bucket-mb", "nan"], "--bucket-mb nan"),
         (["--sync", "hfa", "--optimizer", "dcasgd"], "--optimizer dcasgd"),
+        (["--lan-reduce", "ring"], "unknown --lan-reduce 'ring': choose one of auto"),
         (["--adaptive-sync"], "--adaptive-sync chooses HFA's K2: use it with --sync hfa"),
         (["--sync", "hfa", "--adaptive-sync", "--k2-min", "0"], "--k2-min 0"),
         (["--sync", "hfa", "--adaptive-sync", "--k2-min", "5", "--k2-max", "2"], "--k2-min 5 is"),

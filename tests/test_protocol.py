@@ -173,3 +173,33 @@ def test_presence_payload_is_empty_when_all_present() -> None:
     assert received_presence(buf) == 0 and buf.tolist() == [1.0, 1.0]
     buf.copy_(some)  # a full one arrived
     assert received_presence(buf) == 8 and buf.tolist() == [1.0, 0.0]
+
+
+@pytest.mark.parametrize("n, workers", [(0, 3), (2, 5), (7, 3), (10, 4), (1000, 16)])
+def test_worker_slices_cover_a_key_once(n, workers):
+    """A scattered key's slices, one per worker, cover every value exactly once, in order."""
+    from geompi.ps.protocol import worker_slice
+
+    slices = [worker_slice(n, j, workers) for j in range(workers)]
+    assert slices[0][0] == 0 and slices[-1][1] == n
+    assert all(a[1] == b[0] for a, b in zip(slices, slices[1:]))
+    assert max(hi - lo for lo, hi in slices) - min(hi - lo for lo, hi in slices) <= 1
+
+
+def test_scattered_positions_leave_out_the_presence_key():
+    from geompi.ps.protocol import FLAG_PRESENCE, FLAG_SCATTER, scattered_positions
+
+    keys = [(0, 10), (1, 4), (2, 3)]
+    assert scattered_positions(Round(Op.GRAD, 1, keys, flags=FLAG_SCATTER)) == {0, 1, 2}
+    both = FLAG_SCATTER | FLAG_PRESENCE
+    assert scattered_positions(Round(Op.GRAD, 1, keys, flags=both)) == {0, 1}
+    assert scattered_positions(Round(Op.GRAD, 1, keys)) == set()
+
+
+def test_auto_lan_reduce_scatters_large_rounds_of_big_datacenters():
+    from geompi.ps.client import scatters
+
+    assert not scatters("auto", 3, 2**30) and not scatters("auto", 16, 2**20 - 1)
+    assert scatters("auto", 4, 2**20)
+    assert scatters("scatter", 2, 4) and not scatters("scatter", 1, 2**30)
+    assert not scatters("funnel", 64, 2**30)

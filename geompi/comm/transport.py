@@ -62,6 +62,7 @@ class LinkStats:
             "wan_bytes": self.sent[WAN],
             "wan_data_bytes": self.sent[WAN] - self.control[WAN],
             "wan_received_bytes": self.received[WAN],
+            "lan_received_bytes": self.received[LAN],
             "lan_wait_s": self.wait_s[LAN],
             "wan_wait_s": self.wait_s[WAN],
             "wan_held_s": self.held_s[WAN],

@@ -5,19 +5,50 @@ from __future__ import annotations
 import torch
 
 from geompi.comm.transport import Link, Requests
-from geompi.ps.protocol import TAG_DATA, TAG_RESULT, TAG_SPEC, Op, Round
+from geompi.ps.protocol import (
+    TAG_DATA,
+    TAG_PEER_PUSH,
+    TAG_PEER_RESULT,
+    TAG_RESULT,
+    TAG_SPEC,
+    Op,
+    Round,
+    scattered_positions,
+    worker_slice,
+)
 
 LOCAL_SERVER = 0  # the local server's rank in dc_comm
+# "auto" reduce-scatters among the workers from this many workers per datacenter and this many
+# bytes per round (bench/local_server_scaling.py): below, the funnel's one message per worker
+# and key costs less than the peers' W-1.
+SCATTER_MIN_WORKERS = 4
+SCATTER_MIN_BYTES = 2**20
+
+
+def scatters(mode: str, workers: int, nbytes: int) -> bool:
+    """Whether a datacenter of ``workers`` reduce-scatters a round of ``nbytes`` among its
+    workers (FLAG_SCATTER) instead of funnelling every push through its local server."""
+    if mode == "scatter":
+        return workers > 1
+    return mode == "auto" and workers >= SCATTER_MIN_WORKERS and nbytes >= SCATTER_MIN_BYTES
 
 
 class PSClient:
-    """Talks to this datacenter's local server over dc_comm (LAN)."""
+    """Talks to this datacenter's local server over dc_comm (LAN), and in a scattered round
+    (FLAG_SCATTER) to the datacenter's other workers: it reduce-scatters each key among them,
+    pushes its own summed slice, and shares its slice of the result with them."""
 
     def __init__(self, link: Link, timeout: float | None = None) -> None:
         self.link = link
         self.timeout = timeout
         self.round_id = 0
         self.step = 0  # the training step, set by the training loop; travels in headers
+        self.workers = link.size - 1  # dc_comm: the local server, then the workers in order
+        self.me = link.rank - 1
+        self._scattered: set[int] = set()
+        self._pushes: list[tuple[int, torch.Tensor, list[torch.Tensor]]] = []
+        self._pulls: list[tuple[int, torch.Tensor]] = []
+        self._scratch: dict[tuple, torch.Tensor] = {}  # reused receive and sum buffers
 
     def start(
         self,
@@ -39,21 +70,91 @@ class PSClient:
         if spec:
             self._spec = torch.frombuffer(bytearray(spec), dtype=torch.uint8)
             self.link.isend(reqs, self._spec, LOCAL_SERVER, TAG_SPEC)
+        self._scattered = scattered_positions(rnd)
+        peers = "the other workers of this datacenter"
+        self._peers = Requests(self.link.stats, self.timeout, peers)
+        self._pushes, self._pulls = [], []
         return reqs
 
     def push(self, reqs: Requests, buf: torch.Tensor) -> None:
         """Contribute ``buf`` (fp32) to the datacenter sum of the next key of the round.
 
         Point-to-point, not ``Ireduce``: Open MPI's nonblocking reduce measured 3.5x slower
-        than Isend plus a sum at the local server (bench/sync_overhead.py).
+        than Isend plus a sum at the local server (bench/sync_overhead.py). In a scattered
+        round each other worker gets its slice of ``buf`` now; this worker's own summed slice
+        goes to the local server in :meth:`wait`.
         """
-        self.link.isend(reqs, buf, LOCAL_SERVER, TAG_DATA + self._pushed)
+        i = self._pushed
         self._pushed += 1
+        if i not in self._scattered:
+            self.link.isend(reqs, buf, LOCAL_SERVER, TAG_DATA + i)
+            return
+        lo, hi = worker_slice(buf.numel(), self.me, self.workers)
+        parts = []  # every worker's part of this worker's slice, in worker order
+        for p in range(self.workers):
+            plo, phi = worker_slice(buf.numel(), p, self.workers)
+            if p == self.me:
+                parts.append(buf[lo:hi])
+                continue
+            if phi > plo:
+                self.link.isend(self._peers, buf[plo:phi], 1 + p, TAG_PEER_PUSH + i)
+            if hi > lo:
+                part = self._buffer(("part", i, p), hi - lo, buf)
+                self.link.irecv(self._peers, part, 1 + p, TAG_PEER_PUSH + i)
+                parts.append(part)
+        self._pushes.append((i, buf, parts))
 
     def pull(self, reqs: Requests, out: torch.Tensor) -> None:
-        """Receive the next key's result into ``out`` when the round is waited on."""
-        self.link.irecv(reqs, out, LOCAL_SERVER, TAG_RESULT + self._pulled)
+        """Receive the next key's result into ``out`` when the round is waited on (in a
+        scattered round, this worker's slice from the local server and the rest from its
+        peers, in :meth:`wait`)."""
+        i = self._pulled
         self._pulled += 1
+        if i not in self._scattered:
+            self.link.irecv(reqs, out, LOCAL_SERVER, TAG_RESULT + i)
+            return
+        lo, hi = worker_slice(out.numel(), self.me, self.workers)
+        if hi > lo:
+            self.link.irecv(reqs, out[lo:hi], LOCAL_SERVER, TAG_RESULT + i)
+        self._pulls.append((i, out))
+
+    def wait(self, reqs: Requests) -> None:
+        """Complete the round. In a scattered one: sum the slices the peers sent and push
+        that, wait for the local server, then exchange the result's slices with the peers.
+        The sum runs in worker order, as the local server's does, so both give the same bits."""
+        if self._pushes:
+            self._peers.wait()
+        for i, buf, parts in self._pushes:
+            lo, hi = worker_slice(buf.numel(), self.me, self.workers)
+            if hi > lo:
+                mine = self._buffer(("sum", i), hi - lo, buf).copy_(parts[0])
+                for part in parts[1:]:
+                    mine.add_(part)
+                self.link.isend(reqs, mine, LOCAL_SERVER, TAG_DATA + i)
+        reqs.wait()
+        if not self._pulls:
+            self._pushes = []
+            return
+        peers = self._peers
+        for i, out in self._pulls:
+            lo, hi = worker_slice(out.numel(), self.me, self.workers)
+            for p in self._others():
+                plo, phi = worker_slice(out.numel(), p, self.workers)
+                if hi > lo:
+                    self.link.isend(peers, out[lo:hi], 1 + p, TAG_PEER_RESULT + i)
+                if phi > plo:
+                    self.link.irecv(peers, out[plo:phi], 1 + p, TAG_PEER_RESULT + i)
+        peers.wait()
+        self._pushes, self._pulls = [], []
+
+    def _others(self) -> list[int]:
+        return [p for p in range(self.workers) if p != self.me]
+
+    def _buffer(self, name: tuple, n: int, like: torch.Tensor) -> torch.Tensor:
+        buf = self._scratch.get(name)
+        if buf is None or buf.numel() != n or buf.device != like.device:
+            buf = self._scratch[name] = torch.empty(n, dtype=like.dtype, device=like.device)
+        return buf
 
     def stop(self) -> None:
         """Tell the servers this worker is done (every worker of the job must call it)."""

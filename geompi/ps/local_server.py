@@ -19,6 +19,7 @@ from geompi.ps.fragments import fragment_plan, is_global
 from geompi.ps.protocol import (
     FLAG_GLOBAL,
     FLAG_RAW,
+    FLAG_SCATTER,
     FLAG_WEIGHT_FINAL,
     TAG_DATA,
     TAG_HEADER,
@@ -34,7 +35,9 @@ from geompi.ps.protocol import (
     presence_payload,
     presence_position,
     received_presence,
+    scattered_positions,
     wire_header,
+    worker_slice,
 )
 from geompi.ps.wan import TierCodec
 
@@ -298,7 +301,7 @@ class LocalServer:
             self.uplink.stop(rnd, bufs)
             self._send_results(reqs, bufs)
             return False
-        incoming = self._receive_pushes(rnd)
+        incoming = self._receive_pushes(rnd, bufs)
         due = set(range(len(bufs)))  # the keys that go on to the global tier
         if rnd.op is Op.INIT:
             self.fragment_of = fragment_plan(rnd.keys, self.fragments)
@@ -318,7 +321,7 @@ class LocalServer:
         overlapped = self.overlap and rnd.op is Op.AVG  # answer before the global result
         up_index = {i: u for u, i in enumerate(sorted(due))}
         if due:
-            flags = rnd.flags | (FLAG_GLOBAL if rnd.op is Op.AVG else 0)
+            flags = rnd.flags & ~FLAG_SCATTER | (FLAG_GLOBAL if rnd.op is Op.AVG else 0)
             if not self._may_skip(rnd):
                 flags |= FLAG_WEIGHT_FINAL  # a non-finite sum raises: the weight stays
             self.uplink.begin(
@@ -328,16 +331,19 @@ class LocalServer:
         pos = presence_position(rnd)
         for i, (total, (reqs_i, per_worker)) in enumerate(zip(bufs, incoming)):
             reqs_i.wait()
-            if i == pos:
+            if per_worker is None:  # scattered: the workers' summed slices landed in place
+                self._lan_hold(self.lan_port and self.lan_port.down, total.numel())
+            elif i == pos:
                 arrived = sum(received_presence(b) for b in per_worker)
                 self.stats.received[LAN] += arrived
                 self._lan_hold(self.lan_port and self.lan_port.down, arrived // 4)
             else:
                 numel = total.numel() * len(per_worker)
                 self._lan_hold(self.lan_port and self.lan_port.down, numel)
-            total.copy_(per_worker[0])
-            for buf in per_worker[1:]:
-                total.add_(buf)
+            if per_worker is not None:
+                total.copy_(per_worker[0])
+                for buf in per_worker[1:]:
+                    total.add_(buf)
             if self._judges_finite(rnd) and not all_finite(total):
                 weight = self._nonfinite(rnd)  # raises, or 0: the global servers skip us
             if i in due:
@@ -371,7 +377,7 @@ class LocalServer:
         ready = {i: results[up_index[i]] for i in due}
         if pos is not None:  # the workers need no presence back
             outs = [b[:0] if i == pos else b for i, b in enumerate(outs)]
-        self._send_results(reqs, outs, ready)
+        self._send_results(reqs, outs, ready, scattered_positions(rnd))
         self._round_end = time.perf_counter()
         if rnd.op is Op.INIT:  # the time split covers training, not the start-up
             self.stats.reset_time()
@@ -406,11 +412,23 @@ class LocalServer:
         if self._round_end is not None:
             time.sleep((time.perf_counter() - self._round_end) * (self.slowdown - 1.0))
 
-    def _receive_pushes(self, rnd: Round) -> list[tuple[Requests, list[torch.Tensor]]]:
-        """Post the receives of every worker's push, one request list per key."""
-        out = []
+    def _receive_pushes(
+        self, rnd: Round, totals: list[torch.Tensor]
+    ) -> list[tuple[Requests, list[torch.Tensor] | None]]:
+        """Post the receives of every worker's push, one request list per key; a scattered
+        key's summed slices go straight into its total (no list of pushes, None)."""
+        out: list[tuple[Requests, list[torch.Tensor] | None]] = []
+        scattered = scattered_positions(rnd)
+        workers = len(self.workers)
         for i, (key, n) in enumerate(rnd.keys):
             reqs = Requests(self.stats, self.timeout, f"the workers of datacenter {self.dc}")
+            if i in scattered:
+                for j in range(workers):
+                    lo, hi = worker_slice(n, j, workers)
+                    if hi > lo:
+                        self.lan.irecv(reqs, totals[i][lo:hi], 1 + j, TAG_DATA + i)
+                out.append((reqs, None))
+                continue
             per_worker = [self.bufs.get((key, j), n) for j in range(len(self.workers))]
             for j, buf in enumerate(per_worker):
                 if i == presence_position(rnd):  # may come empty: all present
@@ -422,15 +440,23 @@ class LocalServer:
         return out
 
     def _send_results(
-        self, reqs: Requests, bufs: list[torch.Tensor], ready: dict[int, Requests] | None = None
+        self,
+        reqs: Requests,
+        bufs: list[torch.Tensor],
+        ready: dict[int, Requests] | None = None,
+        scattered: set[int] | frozenset = frozenset(),
     ) -> None:
-        """Every key's result to every worker; key i waits for ``ready[i]`` (its global result)."""
+        """Every key's result to every worker (of a scattered key, worker j's slice to worker
+        j); key i waits for ``ready[i]`` (its global result)."""
+        workers = len(self.workers)
         for i, b in enumerate(bufs):
             if ready and i in ready:
                 ready[i].wait()
-            for j in range(len(self.workers)):
-                self._lan_hold(self.lan_port and self.lan_port.up, b.numel())
-                self.lan.isend(reqs, b, 1 + j, TAG_RESULT + i)
+            for j in range(workers):
+                part = b[slice(*worker_slice(b.numel(), j, workers))] if i in scattered else b
+                if part.numel() or i not in scattered:
+                    self._lan_hold(self.lan_port and self.lan_port.up, part.numel())
+                    self.lan.isend(reqs, part, 1 + j, TAG_RESULT + i)
         reqs.wait()
 
     def _lan_hold(self, channel, numel: int) -> None:

@@ -55,6 +55,12 @@ FLAG_SPEC = 32
 # compress it; a global server divides the sum by the round's weight. MixedSync's keeps each
 # datacenter's mean apart and publishes their sample-weighted mean with the final model.
 FLAG_MEAN = 64
+# GRAD, AVG, between workers and their local server only: the datacenter sum is reduce-scattered
+# among the workers first (geompi.ps.client), so worker j pushes the summed slice j of each key
+# (``worker_slice``) and receives slice j of the result, which the workers then exchange among
+# themselves: the local server takes in one copy of the model per round, not one per worker. The
+# presence key is excluded (it may travel empty). Local servers strip it before the global tier.
+FLAG_SCATTER = 128
 _NOTHING = -1.0  # what a presence buffer holds when an empty message arrived in it
 
 MAX_KEYS = 256
@@ -70,6 +76,8 @@ TAG_TRAILER = 13  # after a round's data: the sender's final weight (0: it skipp
 TAG_SPEC = 12
 TAG_DATA = 1000  # + position of the key in the round
 TAG_RESULT = 1000 + MAX_KEYS
+TAG_PEER_PUSH = 1000 + 2 * MAX_KEYS  # + position: a slice of a worker's push, to its holder
+TAG_PEER_RESULT = 1000 + 3 * MAX_KEYS  # + position: a worker's slice of the result, to its peers
 
 
 @dataclass
@@ -133,6 +141,19 @@ def mean_position(rnd: Round) -> int | None:
     if not rnd.flags & FLAG_MEAN or not rnd.keys:
         return None
     return len(rnd.keys) - (2 if rnd.flags & FLAG_PRESENCE else 1)
+
+
+def scattered_positions(rnd: Round) -> set[int]:
+    """The keys of a round that the workers reduce-scatter among themselves (FLAG_SCATTER)."""
+    if not rnd.flags & FLAG_SCATTER:
+        return set()
+    return set(range(len(rnd.keys))) - {presence_position(rnd)}
+
+
+def worker_slice(n: int, j: int, workers: int) -> tuple[int, int]:
+    """The part ``[lo, hi)`` of a key of ``n`` values that worker ``j`` of ``workers`` holds
+    in a scattered round (FLAG_SCATTER)."""
+    return j * n // workers, (j + 1) * n // workers
 
 
 def plain_positions(rnd: Round) -> set[int]:

@@ -16,6 +16,7 @@ STEPS = 10
 geompi.init(dc_sizes=dc_sizes, global_servers=gs)
 w = geompi.worker_rank()
 log = {}
+local_in = {}
 for kind in kinds:
     model = make_model(seed=1 + w)  # different on every worker: the master's must win
     opt, sched = make_optimizer(model, kind)
@@ -51,7 +52,16 @@ for kind in kinds:
         if sched is not None:
             sched.step()
     log[kind] = sent
+    keys_numel = sum(n for _, n in opt._geompi.keys())  # one worker's push per round
+    report = opt.close()
+    if report is not None:  # the master: what each local server took in over the LAN
+        ranks = report["per_rank"]
+        received = {r["dc"]: r["lan_received_bytes"] for r in ranks if r["role"] == "LOCAL_SERVER"}
+        local_in[kind] = {"received": received, "keys_numel": keys_numel}
     torch.save(model.state_dict(), f"{out}/{kind}-w{w}.pt")
 geompi.finish()
 with open(f"{out}/sent-w{w}.json", "w") as f:
     json.dump(log, f)
+if local_in:
+    with open(f"{out}/local_in.json", "w") as f:
+        json.dump(local_in, f)

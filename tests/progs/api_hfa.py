@@ -26,10 +26,12 @@ def data(t):
     return (x[:3], y[:3], False) if mode == "torch" else (x, y, use_extra(w, t))
 
 
-def train(weighting: str, tag: str, steps: int = STEPS, **outer) -> None:
+def train(weighting: str, tag: str, steps: int = STEPS, lan_reduce=None, **outer) -> None:
     model = make_model(seed=1 + w)
     algo = geompi.HFA(k1=K1, k2=K2, weighting=weighting, **outer)
-    opt = geompi.DistributedOptimizer(hfa_optimizer(model), model, sync=algo, bucket_mb=0.002)
+    opt = geompi.DistributedOptimizer(
+        hfa_optimizer(model), model, sync=algo, bucket_mb=0.002, lan_reduce=lan_reduce
+    )
     loss_fn = torch.nn.CrossEntropyLoss()
     for t in range(steps):
         x, y, extra = data(t)
@@ -69,6 +71,7 @@ def adaptive_under_a_slow_wan() -> None:
 train("samples", "hfa")
 if mode == "sim":  # the same job also runs GeoMX's uniform weighting and an outer optimizer
     train("uniform", "uniform")
+    train("samples", "scatter", lan_reduce="scatter")  # the datacenter sum among the workers
     train("samples", "outer", outer_optimizer="nesterov", outer_lr=0.7)
     for steps in (9, 10):  # close() after a local step, and right after a datacenter average
         train("samples", f"tail{steps}", steps=steps, outer_optimizer="nesterov", outer_lr=0.7)
