@@ -179,12 +179,6 @@ class RunConfig:
             from geompi.sync.hfa import check_streaming
 
             check_streaming(self.hfa_fragments, self.hfa_overlap, self.hfa_mix, self.k2)
-            if (self.hfa_fragments > 1 or self.hfa_overlap) and self.checkpoint_dir:
-                raise ConfigError(
-                    "--checkpoint-dir with streaming HFA (--hfa-fragments/--hfa-overlap): the "
-                    "fragments are global at different rounds, so no round has one global "
-                    "model to resume from exactly; drop one"
-                )
             if self.adaptive_sync:
                 self._check_adaptive()
         elif self.hfa_fragments != 1 or self.hfa_overlap:
@@ -240,7 +234,7 @@ class RunConfig:
         period = self.algorithm.period()
         if self.checkpoint_every % period:
             lo = max(period, self.checkpoint_every // period * period)
-            what = "K1" if self.adaptive_sync else "K1*K2"
+            what = "K1" if getattr(self.algorithm, "forces_global", False) else "K1*K2"
             raise ConfigError(
                 f"--checkpoint-every {self.checkpoint_every} is not a multiple of {what} = "
                 f"{period}: HFA checkpoints at global syncs; use {lo} or {lo + period}"

@@ -356,7 +356,9 @@ class Synchronizer:
 
             self.cadence = Cadence(algo, session.comms.all_workers)
         self.global_syncs = 0
-        self.global_next = False  # adaptive cadence: the next datacenter average goes global
+        # the next datacenter average goes global, every key (the CLI's checkpoint rounds
+        # under adaptive cadence or streaming)
+        self.global_next = False
         self.skipped = 0
         self.closed = False
         self.average_due = False  # HFA: K1 steps done, the datacenter average not yet
@@ -721,6 +723,11 @@ class Synchronizer:
             self._average_now()
         return out
 
+    def average_globally(self) -> None:
+        """HFA, right after a datacenter average: one more, global over every key, so every
+        worker holds the global model (the CLI's stop under streaming HFA)."""
+        self._average_now(final=True)
+
     def _average_now(self, final: bool = False) -> None:
         """HFA: the datacenter average that the K1-th step made due (every K2-th is global).
         ``final`` (close() between global averages): one global average of every worker,
@@ -731,18 +738,21 @@ class Synchronizer:
         samples = float(self.hfa_samples or (self.round_samples or 1.0 if final else 0))
         weight = uniform_weight(self.client) if uniform else samples
         cadence = self.cadence
+        forced = final or self.global_next  # every key global now (FLAG_GLOBAL)
+        self.global_next = False
         if cadence is None:  # every K2-th is global: the local servers count too
-            go_global = final or (self.dc_rounds + 1) % algo.k2 == 0
-            self._average(weight, final)
+            go_global = forced or (self.dc_rounds + 1) % algo.k2 == 0
+            self._average(weight, forced)
         else:  # adaptive: the workers choose, and say so (FLAG_GLOBAL)
-            go_global = final or self.global_next or cadence.next_is_global()
-            self.global_next = False
+            go_global = forced or cadence.next_is_global()
             started = cadence.begin()
             self._average(weight, go_global)
             cadence.end(started, go_global, self.steps, decide=not final)
         self.round_samples = samples
         self.hfa_samples = 0
-        self.dc_rounds += 1
+        # after a forced global round the local servers count K2 (and streaming's staggered
+        # schedule) from the start again, and so do the workers
+        self.dc_rounds = 0 if forced else self.dc_rounds + 1
         if go_global:
             self.steps_at_global = self.steps
             self.global_syncs += 1

@@ -170,13 +170,17 @@ class Worker:
         # every datacenter round (K1 steps), so a signal is acted on within K1 steps, not
         # K1*K2: a stop between global syncs rewinds the workers to the last one (each keeps
         # its state from there) and checkpoints that. Every worker takes the same path, and
-        # no cross-datacenter round is added. Streaming HFA has no such point: it stops as is.
-        # Adaptive cadence (--adaptive-sync) makes the rounds it checkpoints at, and the last
-        # one, global: the run ends on the global model, and each checkpoint holds one.
-        adaptive = hfa and self.algo.adaptive
+        # no cross-datacenter round is added. Adaptive cadence (--adaptive-sync) and streaming
+        # have no fixed global rounds: the rounds they checkpoint at, and the last one, are
+        # made global (every key), so the run ends on the global model and each checkpoint
+        # holds one. Streaming's stop adds one such round instead of rewinding (it has no
+        # recent round with one global model to go back to).
+        forcing = hfa and self.algo.forces_global
+        streaming = hfa and self.algo.streaming
         every = cfg.checkpoint_every if self.checkpoints else 0
-        multi = hfa and (self.algo.k2 > 1 or adaptive) and not self.algo.streaming
+        multi = hfa and (self.algo.k2 > 1 or self.algo.adaptive) and not streaming
         rewind = Rewind(self) if multi else None
+        forced_at = -1
         start_step = self.step
         while self.step < self.total_steps:
             t0 = time.perf_counter()
@@ -199,10 +203,11 @@ class Worker:
             agreeing = agreeing and not stopping and self.step + 1 < self.total_steps
             if agreeing:
                 stop.begin()
-            if adaptive and (
+            if forcing and (
                 self.step + 1 == self.total_steps or every and (self.step + 1) % every == 0
             ):
                 self.engine.global_next = True
+                forced_at = self.step + 1
             syncs = self.engine.global_syncs
             self.engine.step(None, self.opt.step)  # as DistributedOptimizer.step()
             if agreeing:
@@ -233,6 +238,8 @@ class Worker:
         stopped_at = self.step
         if rewind and self.engine.steps_at_global != self.engine.steps:
             rewind.restore()
+        if preempted and streaming and forced_at != self.step:
+            self.engine.average_globally()  # every worker: the global model, to checkpoint
         nothing_new = preempted and self.step == start_step and stopped_at != self.step
         if self.checkpoints and saved_at != self.step and not mixed and not nothing_new:
             self._save(log)

@@ -104,6 +104,34 @@ def test_adaptive_sync_checkpoints_its_k2_and_resumes_exactly(tmp_path):
     assert not identical(part / name, part / ckpt.checkpoint_name(10))
 
 
+def test_streaming_hfa_checkpoints_and_resumes_exactly(tmp_path):
+    """Streaming HFA (2 fragments, overlap, outer Nesterov) checkpoints: the checkpoint rounds
+    (every 8 steps) and the last are made global, so a resume from step 8 ends bitwise where
+    an uninterrupted run ends. A SIGTERM after step 11 stops at round 12, which is then made
+    global and checkpointed (streaming has no earlier round with one global model)."""
+    hfa = ["--sync", "hfa", "--k1", 2, "--k2", 2, "--hfa-fragments", 2, "--hfa-overlap"]
+    hfa += ["--hfa-mix", 0.5, "--outer-optimizer", "nesterov", "--outer-lr", 0.7]
+    hfa += ["--dc-sizes", "4,2", "--momentum", 0.9, "--steps", 16, "--checkpoint-every", 8]
+    full, part, resumed = tmp_path / "full", tmp_path / "part", tmp_path / "resumed"
+    train(7, *hfa, "--checkpoint-dir", full)
+    res = train(
+        7, *hfa, "--checkpoint-dir", part, env={"GEOMPI_FAULT_SIGNAL_AT": "11:1"}, check=False
+    )
+    assert res.returncode == 0 and not error_lines(res.stderr), res.stderr[-3000:]
+    assert "at step 12; checkpoint written" in res.stderr, res.stderr[-3000:]
+    assert [p.name for p in ckpt.list_checkpoints(part)] == [
+        ckpt.checkpoint_name(8), ckpt.checkpoint_name(12)
+    ]  # fmt: skip
+    assert identical(part / ckpt.checkpoint_name(8), full / ckpt.checkpoint_name(8))
+    res = train(
+        7, *hfa, "--checkpoint-dir", resumed, "--resume", part / ckpt.checkpoint_name(8)
+    )  # fmt: skip
+    assert "at step 8" in res.stderr and "steps=16" in res.stderr, res.stderr[-3000:]
+    name = ckpt.checkpoint_name(16)
+    assert identical(resumed / name, full / name)
+    assert not identical(full / name, full / ckpt.checkpoint_name(8))
+
+
 def test_resume_onto_another_topology_reshards(tmp_path):
     src, dst = tmp_path / "src", tmp_path / "dst"
     train(9, "--steps", 6, "--checkpoint-dir", src, "--optimizer", "adam")

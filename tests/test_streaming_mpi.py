@@ -29,6 +29,21 @@ def _load(out, name):
 
 
 @pytest.mark.mpi
+def test_rounds_made_global_end_on_one_global_model(overlap_run):
+    """Streaming with overlap, rounds made global after steps 6 and 16 (the CLI's checkpoints
+    and last step): each merges the pending global results, averages every key over the
+    datacenters, and restarts the schedule, as the simulation says; every worker ends equal."""
+    refs = stream_reference([2, 3], 2, 2, 2, True, 0.5, steps=16, forced=(6, 16))
+    got = _load(overlap_run, "forced")
+    for w in range(WORKERS):
+        diff = max(float((got[w][k] - refs[w][k]).abs().max()) for k in got[w])
+        assert diff <= 1e-5, (w, diff)
+        assert all(torch.equal(got[w][k], got[0][k]) for k in got[w]), w
+    plain = _load(overlap_run, "overlap")[0]  # the forced rounds change the run
+    assert max(float((got[0][k] - plain[k]).abs().max()) for k in plain) > 1e-4
+
+
+@pytest.mark.mpi
 @pytest.mark.parametrize(
     "name, k1, k2, fragments, overlap, mix",
     [("overlap", 2, 2, 2, True, 0.5), ("fragments", 2, 4, 4, False, 1.0)],
@@ -49,7 +64,13 @@ def test_each_fragment_goes_global_once_per_k2_rounds_at_its_offset(overlap_run)
         jobs = [
             json.loads(ln) for ln in (overlap_run / f"rounds-dc{dc}.jsonl").read_text().splitlines()
         ]
-        assert len(jobs) == 2
+        assert len(jobs) == 3
+        forced = jobs[2]  # rounds 3 and 8 made global: every key; the schedule restarts after 3
+        plan = {int(k): f for k, f in forced["fragment_of"].items()}
+        for r, keys in enumerate(forced["global_keys"], start=1):
+            since = r if r <= 3 else r - 3
+            want = sorted(k for k, f in plan.items() if (since + f) % 2 == 0)
+            assert keys == (sorted(plan) if r in (3, 8) else want), (dc, r, keys)
         for job, (k2, fragments) in zip(jobs, [(2, 2), (4, 4)]):
             plan = {int(k): f for k, f in job["fragment_of"].items()}
             assert sorted(set(plan.values())) == list(range(fragments))
@@ -117,7 +138,10 @@ def test_schedule_with_one_fragment_is_every_k2th_round():
         (dict(sync="hfa", hfa_fragments=0), "--hfa-fragments 0"),
         (dict(sync="hfa", hfa_mix=1.5), "--hfa-mix 1.5"),
         (dict(sync="fsa", hfa_fragments=2), "are for --sync hfa"),
-        (dict(sync="hfa", hfa_fragments=2, checkpoint_dir="/tmp/x"), "streaming HFA"),
+        (
+            dict(sync="hfa", k1=4, k2=2, hfa_fragments=2, checkpoint_dir="/x", checkpoint_every=6),
+            "not a multiple of K1 = 4",
+        ),
     ],
 )
 def test_streaming_flags_are_validated(kw, words):

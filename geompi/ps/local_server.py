@@ -305,20 +305,26 @@ class LocalServer:
         due = set(range(len(bufs)))  # the keys that go on to the global tier
         if rnd.op is Op.INIT:
             self.fragment_of = fragment_plan(rnd.keys, self.fragments)
+        # The workers make a round global (FLAG_GLOBAL: close(), the CLI's checkpoints): every
+        # key goes up now, streaming's overlap waits for the result, so the round ends on one
+        # global model, and the staggered schedule starts again after it.
+        forced = rnd.op is Op.AVG and bool(rnd.flags & FLAG_GLOBAL)
         if rnd.op is Op.AVG:  # K2 is counted per key: GeoMX users push one key per round
             for k, _ in rnd.keys:
                 self.avg_rounds[k] = self.avg_rounds.get(k, 0) + 1
             due = {
                 i
                 for i, (k, _) in enumerate(rnd.keys)
-                if rnd.flags & FLAG_GLOBAL  # the workers' close(): every key, now
+                if forced
                 or is_global(
                     self.avg_rounds[k], self.fragment_of.get(k, 0), self.fragments, self.k2
                 )
             }
+        if forced:
+            self.avg_rounds.update({k: 0 for k, _ in rnd.keys})
         if rnd.op is Op.AVG and self.round_log is not None:
             self.round_log.append([rnd.keys[i][0] for i in sorted(due)])
-        overlapped = self.overlap and rnd.op is Op.AVG  # answer before the global result
+        overlapped = self.overlap and rnd.op is Op.AVG and not forced
         up_index = {i: u for u, i in enumerate(sorted(due))}
         if due:
             flags = rnd.flags & ~FLAG_SCATTER | (FLAG_GLOBAL if rnd.op is Op.AVG else 0)
@@ -346,6 +352,9 @@ class LocalServer:
                     total.add_(buf)
             if self._judges_finite(rnd) and not all_finite(total):
                 weight = self._nonfinite(rnd)  # raises, or 0: the global servers skip us
+            if forced and rnd.keys[i][0] in self.pending:  # last round's result merges first
+                self._merge_pending(rnd.keys[i][0], total.div_(weight))
+                total.mul_(weight)
             if i in due:
                 self.uplink.send_key(up_index[i], presence_payload(total) if i == pos else total)
                 if overlapped:  # the workers get the datacenter average now

@@ -51,8 +51,14 @@ class HFA(Algorithm):
 
     def period(self) -> int:
         """Steps between the rounds where training may stop on one global model: K1*K2, or
-        K1 with adaptive cadence (its caller may make any datacenter round global)."""
-        return self.k1 if self.adaptive else self.k1 * self.k2
+        K1 with adaptive cadence or streaming (there the caller makes such a round global)."""
+        return self.k1 if self.adaptive or self.streaming else self.k1 * self.k2
+
+    @property
+    def forces_global(self) -> bool:
+        """Whether the CLI makes its checkpoint rounds and the last one global (FLAG_GLOBAL):
+        no fixed round of adaptive cadence or streaming holds one global model."""
+        return self.adaptive or self.streaming
 
     @property
     def streaming(self) -> bool:

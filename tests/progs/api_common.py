@@ -113,13 +113,16 @@ def make_optimizer(
     raise ValueError(kind)
 
 
-def train_steps(model: Net, opt, worker: int, steps: int, sched=None) -> None:
-    """The plain torch loop the API programs run on ``batch`` (opt may be geompi's)."""
+def train_steps(model: Net, opt, worker: int, steps: int, sched=None, forced=()) -> None:
+    """The plain torch loop the API programs run on ``batch`` (opt may be geompi's). HFA: the
+    datacenter averages after the steps in ``forced`` go global (as the CLI's checkpoints)."""
     loss_fn = nn.CrossEntropyLoss()
     for t in range(steps):
         x, y = batch(worker, t)
         opt.zero_grad()
         loss_fn(model(x, use_extra(worker, t)), y).backward()
+        if t + 1 in forced:
+            opt._geompi.global_next = True
         opt.step()
         if sched is not None:
             sched.step()
@@ -258,12 +261,22 @@ def _fragment_runs(sizes: list[int], fragments: int) -> list[int]:
 
 
 def stream_reference(
-    dc_sizes: list[int], k1: int, k2: int, fragments: int, overlap: bool, mix: float, steps: int
+    dc_sizes: list[int],
+    k1: int,
+    k2: int,
+    fragments: int,
+    overlap: bool,
+    mix: float,
+    steps: int,
+    forced: tuple[int, ...] = (),
 ) -> list[dict[str, torch.Tensor]]:
     """An independent simulation of streaming HFA with one key per parameter (keys in reverse
     parameter order, as backward produces them): fragments as _fragment_runs cuts them, fragment f
     global at datacenter round r when (r + f*K2//F) % K2 == 0; with overlap, workers get the
-    datacenter average at that round and ``mix * global + (1 - mix) * average`` at the next."""
+    datacenter average at that round and ``mix * global + (1 - mix) * average`` at the next.
+    After the steps in ``forced``, every parameter goes global at once: each datacenter's
+    average, with a pending global result mixed in first, is averaged by the datacenters'
+    samples, every worker gets it, nothing stays pending, and the rounds count from 0 again."""
     workers = sum(dc_sizes)
     dcs = [list(range(sum(dc_sizes[:d]), sum(dc_sizes[: d + 1]))) for d in range(len(dc_sizes))]
     models = [make_model(1) for _ in range(workers)]
@@ -285,6 +298,18 @@ def stream_reference(
         rnd += 1
         with torch.no_grad():
             params = [dict(m.named_parameters()) for m in models]
+            if t + 1 in forced:
+                dc_samples = [sum(samples[w] for w in g) for g in dcs]
+                for name in names:
+                    values = [_weighted(params, samples, name, g) for g in dcs]
+                    if name in pending:
+                        late = pending.pop(name)
+                        values = [mix * late + (1 - mix) * v for v in values]
+                    glob = sum(v * n for v, n in zip(values, dc_samples)) / sum(dc_samples)
+                    for w in range(workers):
+                        params[w][name].copy_(glob)
+                samples, rnd = [0] * workers, 0
+                continue
             for name in names:
                 glob = (rnd + frag[name] * k2 // fragments) % k2 == 0
 

@@ -2,7 +2,8 @@
 
 ``overlap``: 2 fragments, overlap, mix 0.5, K1=2, K2=2 on datacenters of 2 and 3 workers with
 2 global servers; one bucket per parameter, so the fragments are made of whole parameters the
-test can name. ``plain``: HFA, then the same with fragments=1 (must be bitwise equal).
+test can name; then the same with two rounds made global (as the CLI's checkpoints make
+them). ``plain``: HFA, then the same with fragments=1 (must be bitwise equal).
 Every worker saves its final state.
 """
 
@@ -19,10 +20,10 @@ w = geompi.worker_rank()
 STEPS = 16
 
 
-def train(name: str, algo) -> None:
+def train(name: str, algo, forced=()) -> None:
     model = make_model(seed=1 + w)
     opt = geompi.DistributedOptimizer(hfa_optimizer(model), model, sync=algo, bucket_mb=1e-9)
-    train_steps(model, opt, w, STEPS)
+    train_steps(model, opt, w, STEPS, forced=forced)
     opt.close()
     torch.save(model.state_dict(), f"{out}/{name}-w{w}.pt")
 
@@ -30,6 +31,9 @@ def train(name: str, algo) -> None:
 if mode == "overlap":
     train("overlap", geompi.HFA(k1=2, k2=2, fragments=2, overlap=True, mix=0.5))
     train("fragments", geompi.HFA(k1=2, k2=4, fragments=4))
+    # the CLI's checkpoint rounds: after steps 6 and 16, every key global (FORCED in the test)
+    algo = geompi.HFA(k1=2, k2=2, fragments=2, overlap=True, mix=0.5)
+    train("forced", algo, forced=(6, 16))
 else:
     train("hfa", geompi.HFA(k1=2, k2=4))
     train("f1", geompi.HFA(k1=2, k2=4, fragments=1))
