@@ -15,8 +15,8 @@ class MetricsLog:
     """Append one JSON object per line to ``path`` (nothing when path is None).
 
     With ``tensorboard=DIR`` the same records also go to TensorBoard: ``train/loss`` per step,
-    ``test/acc`` and ``test/loss`` per evaluation, and from the summary the byte counters
-    (``bytes/*``) and the time split (``time/*``), at the last step.
+    ``test/acc`` and ``test/loss`` per evaluation, ``hfa/k2`` per change of K2, and from the
+    summary the byte counters (``bytes/*``) and the time split (``time/*``), at the last step.
     """
 
     def __init__(self, path: str | None, tensorboard: str | None = None) -> None:
@@ -96,6 +96,8 @@ def _to_tensorboard(tb: Any, record: dict) -> None:
     step = record.get("step")
     if step is None:
         return
+    if record.get("event") == "k2":  # --adaptive-sync chose another K2
+        tb.add_scalar("hfa/k2", record["new_k2"], step)
     if "loss" in record:
         tb.add_scalar("train/loss", record["loss"], step)
     if "test_acc" in record:
