@@ -45,15 +45,11 @@ def test_ckpt_diff_cli_reports_identical_tensors(good_ckpt, tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr
 
 
-@pytest.mark.parametrize(
-    "algo",
-    [
-        ["--sync", "fsa", "--optimizer", "adam"],
-        ["--sync", "hfa", "--k1", "2", "--k2", "2", "--momentum", "0.9"],
-    ],
-)
+@pytest.mark.parametrize("algo", [["--sync", "fsa", "--optimizer", "adam"]])
 def test_resume_is_bitwise_identical(tmp_path, algo):
     # (A resumed run that equals the uninterrupted one also shows that runs are deterministic.)
+    # HFA's bitwise resumes: plain (after a SIGTERM and a rewind) in test_reliability_mpi.py,
+    # adaptive and streaming below.
     full, part = tmp_path / "full", tmp_path / "part"
     train(9, "--steps", 16, "--checkpoint-dir", full, *algo)
     train(9, "--steps", 8, "--checkpoint-dir", part, *algo)
@@ -63,10 +59,7 @@ def test_resume_is_bitwise_identical(tmp_path, algo):
     assert identical(a, b)
     ca, cb = ckpt.load(a), ckpt.load(b)
     assert ca.optimizer.keys() == cb.optimizer.keys()
-    if "hfa" in algo:  # each worker's local momentum survived the restart
-        assert len(ca.algorithm["hfa"]["local"]) == 5  # 9 ranks: 2 + 2 + 1 workers
-    else:
-        assert {"exp_avg", "exp_avg_sq", "step"} <= set(ca.optimizer)
+    assert {"exp_avg", "exp_avg_sq", "step"} <= set(ca.optimizer)
     assert not identical(a, part / "ckpt-00000008.h5")  # the comparison can fail
 
 
@@ -101,6 +94,7 @@ def test_adaptive_sync_checkpoints_its_k2_and_resumes_exactly(tmp_path):
     assert "at step 10" in res.stderr and "steps=20" in res.stderr, res.stderr[-3000:]
     name = ckpt.checkpoint_name(20)
     assert identical(part / name, full / name)
+    assert len(ckpt.load(part / name).algorithm["hfa"]["local"]) == 4  # each worker's momentum
     assert not identical(part / name, part / ckpt.checkpoint_name(10))
 
 
