@@ -535,7 +535,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar=_one_of(LAN_REDUCE),
         help="how a datacenter sums its workers' pushes: scatter = reduce-scatter among the "
         "workers, so the local server takes in one copy of the model, not one per worker; "
-        f"auto = scatter from 4 workers and 1 MiB per round (default {d.lan_reduce})",
+        "auto = scatter from 4 workers and 1 MiB per round where a datacenter spans nodes "
+        f"(default {d.lan_reduce})",
     )
     o = p.add_argument_group("output, checkpoints, reliability")
     o.add_argument(

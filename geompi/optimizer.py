@@ -105,6 +105,16 @@ def DistributedOptimizer(  # noqa: N802 - a factory named like the class it retu
     return optimizer
 
 
+def on_one_node(comm) -> bool:
+    """Whether every rank of ``comm`` shares one node's memory (collective over ``comm``)."""
+    from mpi4py import MPI
+
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    one = local.Get_size() == comm.Get_size()
+    local.Free()
+    return one
+
+
 def wrap(optimizer: torch.optim.Optimizer, engine: Synchronizer) -> torch.optim.Optimizer:
     """Swap ``optimizer``'s class in place for one whose ``step()`` runs through ``engine``
     (DistributedOptimizer's; the CLI's loop calls the engine itself)."""
@@ -296,7 +306,10 @@ class Synchronizer:
         nbuf = sum(b.numel() for b in self.float_buffers)
         # GRAD and AVG rounds reduce-scatter among the datacenter's workers (--lan-reduce)
         nbytes = 4 * sum(b.numel for b in self.buckets)
-        scatter = scatters(lan_reduce or session.cfg.lan_reduce, self.client.workers, nbytes)
+        one_node = on_one_node(session.comms.workers)  # on every worker, whatever its mode
+        scatter = scatters(
+            lan_reduce or session.cfg.lan_reduce, self.client.workers, nbytes, one_node
+        )
         self.lan_flags = FLAG_SCATTER if scatter else 0
         # The extra key after the buckets. FSA: [samples, per-parameter "had a gradient",
         # buffers x samples]; HFA: [buffers x weight]. Where the global servers step (FSA's

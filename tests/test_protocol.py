@@ -200,6 +200,6 @@ def test_auto_lan_reduce_scatters_large_rounds_of_big_datacenters():
     from geompi.ps.client import scatters
 
     assert not scatters("auto", 3, 2**30) and not scatters("auto", 16, 2**20 - 1)
-    assert scatters("auto", 4, 2**20)
+    assert scatters("auto", 4, 2**20) and not scatters("auto", 4, 2**20, one_node=True)
     assert scatters("scatter", 2, 4) and not scatters("scatter", 1, 2**30)
     assert not scatters("funnel", 64, 2**30)

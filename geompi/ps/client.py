@@ -18,19 +18,22 @@ from geompi.ps.protocol import (
 )
 
 LOCAL_SERVER = 0  # the local server's rank in dc_comm
-# "auto" reduce-scatters among the workers from this many workers per datacenter and this many
-# bytes per round (bench/local_server_scaling.py): below, the funnel's one message per worker
-# and key costs less than the peers' W-1.
+# "auto" reduce-scatters among the workers of a datacenter that spans nodes, from this many
+# workers and this many bytes per round: below, the funnel's one message per worker and key
+# costs less than the peers' W-1. Inside one node (shared memory) the funnel measured faster
+# (bench/sync_overhead.py: scatter rounds 1.1-1.4x the funnel's on 2 cores, 4 workers).
 SCATTER_MIN_WORKERS = 4
 SCATTER_MIN_BYTES = 2**20
 
 
-def scatters(mode: str, workers: int, nbytes: int) -> bool:
+def scatters(mode: str, workers: int, nbytes: int, one_node: bool = False) -> bool:
     """Whether a datacenter of ``workers`` reduce-scatters a round of ``nbytes`` among its
-    workers (FLAG_SCATTER) instead of funnelling every push through its local server."""
+    workers (FLAG_SCATTER) instead of funnelling every push through its local server
+    (``one_node``: every worker of the datacenter is on one node)."""
     if mode == "scatter":
         return workers > 1
-    return mode == "auto" and workers >= SCATTER_MIN_WORKERS and nbytes >= SCATTER_MIN_BYTES
+    big = workers >= SCATTER_MIN_WORKERS and nbytes >= SCATTER_MIN_BYTES
+    return mode == "auto" and big and not one_node
 
 
 class PSClient:
