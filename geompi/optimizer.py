@@ -212,6 +212,12 @@ class _Distributed:
         say it (geompi otherwise counts the leading dimension of each training forward)."""
         self._geompi.explicit_samples = int(n)
 
+    def force_global_average(self) -> None:
+        """HFA: make the next datacenter average global over every key, so every worker holds
+        the global model after it (to save one under adaptive cadence or streaming, whose
+        global rounds are not fixed). Every worker calls it before the same step."""
+        self._geompi.force_global_average()
+
     @property
     def global_syncs(self) -> int:
         """How many times the global tier has synchronized so far."""
@@ -735,6 +741,17 @@ class Synchronizer:
         if self.average_due:
             self._average_now()
         return out
+
+    def force_global_average(self) -> None:
+        """The next datacenter average goes global, every key (HFA only)."""
+        if not self.algo.local_steps:
+            self._stop(
+                ConfigError(
+                    f"force_global_average() is for HFA: under {self.algo.name} every round "
+                    "already reaches the global servers"
+                )
+            )
+        self.global_next = True
 
     def average_globally(self) -> None:
         """HFA, right after a datacenter average: one more, global over every key, so every

@@ -206,7 +206,7 @@ class Worker:
             if forcing and (
                 self.step + 1 == self.total_steps or every and (self.step + 1) % every == 0
             ):
-                self.engine.global_next = True
+                self.engine.force_global_average()
                 forced_at = self.step + 1
             syncs = self.engine.global_syncs
             self.engine.step(None, self.opt.step)  # as DistributedOptimizer.step()

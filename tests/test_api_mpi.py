@@ -421,6 +421,7 @@ def test_mixedsync_trains_the_users_sgd_and_dcasgd(tmp_path):
         ("bad_mixed_optimizer", "got RMSprop"),
         ("bad_checkpoint", "does not fit this model"),
         ("bad_unfreeze", "was unfrozen after DistributedOptimizer was built"),
+        ("bad_force_global", "force_global_average() is for HFA: under fsa"),
     ],
 )
 def test_user_errors_are_one_line_and_stop_every_rank(tmp_path, mode, words):

@@ -122,7 +122,7 @@ def train_steps(model: Net, opt, worker: int, steps: int, sched=None, forced=())
         opt.zero_grad()
         loss_fn(model(x, use_extra(worker, t)), y).backward()
         if t + 1 in forced:
-            opt._geompi.global_next = True
+            opt.force_global_average()
         opt.step()
         if sched is not None:
             sched.step()

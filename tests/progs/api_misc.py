@@ -161,6 +161,10 @@ elif mode == "bad_unfreeze":
     model[0].requires_grad_(True)
     x, y = batch(w, 0)
     loss_fn(model(x), y).backward()
+elif mode == "bad_force_global":
+    model = nn.Sequential(nn.Linear(IN, 8), nn.Linear(8, OUT))
+    opt = geompi.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    opt.force_global_average()
 geompi.finish()
 with open(f"{out}/done-w{w}.json", "w") as f:
     json.dump({"mode": mode}, f)
