@@ -21,7 +21,7 @@ LOCAL_SERVER = 0  # the local server's rank in dc_comm
 # "auto" reduce-scatters among the workers of a datacenter that spans nodes, from this many
 # workers and this many bytes per round: below, the funnel's one message per worker and key
 # costs less than the peers' W-1. Inside one node (shared memory) the funnel measured faster
-# (bench/sync_overhead.py: scatter rounds 1.1-1.4x the funnel's on 2 cores, 4 workers).
+# (bench/sync_overhead.py: scatter rounds 1.0-1.4x the funnel's on 2 cores, 4 workers).
 SCATTER_MIN_WORKERS = 4
 SCATTER_MIN_BYTES = 2**20
 
