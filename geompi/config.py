@@ -19,7 +19,8 @@ from geompi.errors import ConfigError
 from geompi.factory import check_spec, is_spec
 
 # How a datacenter sums its workers' pushes (geompi.ps.client.scatters): "funnel" through the
-# local server, "scatter" (reduce-scatter among the workers first), or "auto" by size.
+# local server, "scatter" (reduce-scatter among the workers first), or "auto": scatter for big
+# rounds of big datacenters that span nodes.
 LAN_REDUCE = ("auto", "funnel", "scatter")
 
 SYNCS = ("fsa", "mixed", "hfa")  # --sync's choices: geompi.sync.REGISTRY's names
@@ -185,6 +186,10 @@ class RunConfig:
             raise ConfigError("--hfa-fragments/--hfa-overlap are for --sync hfa: drop them")
         elif self.adaptive_sync:
             raise ConfigError("--adaptive-sync chooses HFA's K2: use it with --sync hfa")
+        given = [f for f in ("k2_min", "k2_max", "wan_share") if f in self.sources]
+        if given and not self.adaptive_sync:
+            flags = "/".join(self.sources[f] for f in given)
+            raise ConfigError(f"{flags} set --adaptive-sync's bounds: add --adaptive-sync")
         for name in ("effective_momentum", "weight_decay", "dcasgd_lambda"):
             v = getattr(self, name)
             name = name.replace("effective_", "")
@@ -518,7 +523,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--steps",
         type=_int("--steps"),
         help="steps to train instead of --epochs (default none; HFA rounds up to K1*K2, or "
-        "to K1 with --adaptive-sync)",
+        "to K1 with --adaptive-sync or streaming)",
     )
     m.add_argument("--seed", type=_int("--seed"), help=f"(default {d.seed})")
     m.add_argument(

@@ -287,6 +287,8 @@ def test_dcasgd_with_hfa_is_rejected() -> None:
         (["--bucket-mb", "nan"], "--bucket-mb nan"),
         (["--sync", "hfa", "--optimizer", "dcasgd"], "--optimizer dcasgd"),
         (["--lan-reduce", "ring"], "unknown --lan-reduce 'ring': choose one of auto"),
+        (["--sync", "hfa", "--k2-max", "8"], "--k2-max set --adaptive-sync's bounds: add"),
+        (["--sync", "hfa", "--k2-min", "2", "--wan-share", "0.2"], "--k2-min/--wan-share set"),
         (["--adaptive-sync"], "--adaptive-sync chooses HFA's K2: use it with --sync hfa"),
         (["--sync", "hfa", "--adaptive-sync", "--k2-min", "0"], "--k2-min 0"),
         (["--sync", "hfa", "--adaptive-sync", "--k2-min", "5", "--k2-max", "2"], "--k2-min 5 is"),
