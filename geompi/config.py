@@ -257,22 +257,20 @@ class RunConfig:
 
     def _check_adaptive(self) -> None:
         """``--adaptive-sync``'s settings (HFA only, without streaming)."""
+        from geompi.sync.hfa import check_adaptive
+
         _positive_int(self, "k2_min", "--k2-min")
         _positive_int(self, "k2_max", "--k2-max")
-        if self.k2_min > self.k2_max:
-            raise ConfigError(f"--k2-min {self.k2_min} is above --k2-max {self.k2_max}")
-        if "k2" in self.sources and not self.k2_min <= self.k2 <= self.k2_max:
-            raise ConfigError(
-                f"{self.sources['k2']} {self.k2}: the starting K2 of --adaptive-sync must lie "
-                f"within --k2-min {self.k2_min} and --k2-max {self.k2_max}"
-            )
-        if not (isinstance(self.wan_share, int | float) and 0 < self.wan_share < 1):
-            raise ConfigError(f"--wan-share {self.wan_share}: must be a number in (0, 1)")
-        if self.hfa_fragments > 1 or self.hfa_overlap:
-            raise ConfigError(
-                "--adaptive-sync with --hfa-fragments/--hfa-overlap is not supported yet: "
-                "drop one of them"
-            )
+        flags = {"adaptive": "--adaptive-sync", "fragments": "--hfa-fragments"}
+        flags["overlap"] = "--hfa-overlap"
+
+        def show(setting: str, value=None) -> str:  # a switch (adaptive=True) is its flag
+            flag = self.sources.get(setting, flags.get(setting, "--" + setting.replace("_", "-")))
+            return flag if value is None or value is True else f"{flag} {value}"
+
+        k2 = self.k2 if "k2" in self.sources else None  # else it starts at --k2-min
+        streaming = self.hfa_fragments > 1 or self.hfa_overlap
+        check_adaptive(k2, self.k2_min, self.k2_max, self.wan_share, streaming, show)
 
     @property
     def starting_k2(self) -> int:

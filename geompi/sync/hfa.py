@@ -52,7 +52,7 @@ class HFA(Algorithm):
     def period(self) -> int:
         """Steps between the rounds where training may stop on one global model: K1*K2, or
         K1 with adaptive cadence or streaming (there the caller makes such a round global)."""
-        return self.k1 if self.adaptive or self.streaming else self.k1 * self.k2
+        return self.k1 if self.forces_global else self.k1 * self.k2
 
     @property
     def forces_global(self) -> bool:
@@ -84,19 +84,8 @@ class HFA(Algorithm):
             raise ConfigError(f"HFA(outer_lr={self.outer_lr!r}): must be a finite number > 0")
         check_streaming(self.fragments, self.overlap, self.mix, self.k2, "HFA(", ")")
         if self.adaptive:
-            self._check_adaptive()
-
-    def _check_adaptive(self) -> None:
-        if not self.k2_min <= self.k2 <= self.k2_max:
-            raise ConfigError(
-                f"HFA(adaptive=True, k2={self.k2}): the starting k2 must lie within "
-                f"k2_min={self.k2_min} and k2_max={self.k2_max}"
-            )
-        if not (isinstance(self.wan_share, int | float) and 0 < self.wan_share < 1):
-            raise ConfigError(f"HFA(wan_share={self.wan_share!r}): must be in (0, 1)")
-        if self.streaming:
-            raise ConfigError(
-                "HFA(adaptive=True) with fragments or overlap is not supported yet: use one of them"
+            check_adaptive(
+                self.k2, self.k2_min, self.k2_max, self.wan_share, self.streaming, _show_keyword
             )
 
     def next_k2(self, exchange_s: float, round_compute_s: float) -> int:
@@ -160,6 +149,34 @@ def check_streaming(
         raise ConfigError(
             f"{name('overlap')} needs k2 >= 2: a fragment's global result merges at its next "
             "datacenter round, which must not be global again"
+        )
+
+
+def _show_keyword(setting: str, value=None) -> str:
+    """A setting of ``HFA(...)`` as the API's user wrote it, e.g. ``HFA(k2_max=4)``; without a
+    value, its name."""
+    return setting if value is None else f"HFA({setting}={value!r})"
+
+
+def check_adaptive(
+    k2: int | None, k2_min: int, k2_max: int, wan_share: float, streaming: bool, show
+) -> None:
+    """Adaptive cadence's settings, for the API (``HFA(adaptive=True, ...)``) and the CLI's
+    flags (each checks the whole numbers itself). ``show(setting, value)`` writes a setting as
+    its user gave it, ``show(setting)`` names it; ``k2`` None: no starting K2 was given."""
+    if k2_min > k2_max:
+        raise ConfigError(f"{show('k2_min', k2_min)} is above {show('k2_max', k2_max)}")
+    if k2 is not None and not k2_min <= k2 <= k2_max:
+        raise ConfigError(
+            f"{show('k2', k2)}: the starting k2 must lie within {show('k2_min', k2_min)} and "
+            f"{show('k2_max', k2_max)}"
+        )
+    if not (isinstance(wan_share, int | float) and 0 < wan_share < 1):
+        raise ConfigError(f"{show('wan_share', wan_share)}: must be in (0, 1)")
+    if streaming:
+        raise ConfigError(
+            f"{show('adaptive', True)} with {show('fragments')} or {show('overlap')} is not "
+            "supported yet: drop one of them"
         )
 
 
