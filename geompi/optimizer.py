@@ -26,6 +26,7 @@ import torch
 
 from geompi.comm.buckets import Buckets
 from geompi.comm.buffers import all_finite
+from geompi.comm.topology import node_share
 from geompi.comm.transport import LAN, Link, LinkStats, worker_timeout
 from geompi.config import LAN_REDUCE
 from geompi.errors import ConfigError, GeompiError, NonFiniteError
@@ -103,16 +104,6 @@ def DistributedOptimizer(  # noqa: N802 - a factory named like the class it retu
     wrap(optimizer, engine)
     engine.start()
     return optimizer
-
-
-def on_one_node(comm) -> bool:
-    """Whether every rank of ``comm`` shares one node's memory (collective over ``comm``)."""
-    from mpi4py import MPI
-
-    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
-    one = local.Get_size() == comm.Get_size()
-    local.Free()
-    return one
 
 
 def wrap(optimizer: torch.optim.Optimizer, engine: Synchronizer) -> torch.optim.Optimizer:
@@ -312,7 +303,8 @@ class Synchronizer:
         nbuf = sum(b.numel() for b in self.float_buffers)
         # GRAD and AVG rounds reduce-scatter among the datacenter's workers (--lan-reduce)
         nbytes = 4 * sum(b.numel for b in self.buckets)
-        one_node = on_one_node(session.comms.workers)  # on every worker, whatever its mode
+        workers = session.comms.workers  # the node query on every worker, whatever its mode
+        one_node = node_share(workers)[1] == workers.Get_size()
         scatter = scatters(
             lan_reduce or session.cfg.lan_reduce, self.client.workers, nbytes, one_node
         )

@@ -25,7 +25,7 @@ import torch
 
 from geompi import sync
 from geompi.comm import heartbeat
-from geompi.comm.topology import Role, Topology, dc_sizes_from_hosts
+from geompi.comm.topology import Role, Topology, dc_sizes_from_hosts, node_share
 from geompi.comm.transport import LAN, LinkStats, barrier, live_timeout, worker_timeout
 from geompi.config import RunConfig, make_config
 from geompi.errors import ConfigError, GeompiError
@@ -399,11 +399,7 @@ def worker_device(workers_comm) -> torch.device:
     """
     if os.environ.get("GEOMPI_DEVICE", "").lower() == "cpu" or not torch.cuda.is_available():
         return torch.device("cpu")
-    from mpi4py import MPI
-
-    local = workers_comm.Split_type(MPI.COMM_TYPE_SHARED, key=workers_comm.Get_rank())
-    index = local.Get_rank() % torch.cuda.device_count()
-    local.Free()
+    index = node_share(workers_comm)[0] % torch.cuda.device_count()
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
 

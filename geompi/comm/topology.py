@@ -218,6 +218,17 @@ class Communicators:
                 c.Free()
 
 
+def node_share(comm) -> tuple[int, int]:
+    """This rank's index among ``comm``'s ranks on its node, and how many share the node
+    (collective over ``comm``)."""
+    from mpi4py import MPI
+
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    share = local.Get_rank(), local.Get_size()
+    local.Free()
+    return share
+
+
 def build_communicators(topo: Topology, world) -> Communicators:
     """Split ``world`` into the per-tier communicators. Collective: every rank must call it."""
     from mpi4py import MPI
