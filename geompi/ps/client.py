@@ -49,6 +49,7 @@ class PSClient:
         self.workers = link.size - 1  # dc_comm: the local server, then the workers in order
         self.me = link.rank - 1
         self._scattered: set[int] = set()
+        self._peers = Requests(link.stats, timeout, "the other workers of this datacenter")
         self._pushes: list[tuple[int, torch.Tensor, list[torch.Tensor]]] = []
         self._pulls: list[tuple[int, torch.Tensor]] = []
         self._scratch: dict[tuple, torch.Tensor] = {}  # reused receive and sum buffers
@@ -74,8 +75,6 @@ class PSClient:
             self._spec = torch.frombuffer(bytearray(spec), dtype=torch.uint8)
             self.link.isend(reqs, self._spec, LOCAL_SERVER, TAG_SPEC)
         self._scattered = scattered_positions(rnd)
-        peers = "the other workers of this datacenter"
-        self._peers = Requests(self.link.stats, self.timeout, peers)
         self._pushes, self._pulls = [], []
         return reqs
 
@@ -125,9 +124,10 @@ class PSClient:
         """Complete the round. In a scattered one: sum the slices the peers sent and push
         that, wait for the local server, then exchange the result's slices with the peers.
         The sum runs in worker order, as the local server's does, so both give the same bits."""
-        if self._pushes:
+        pushes, self._pushes = self._pushes, []  # a second wait of the round pushes nothing
+        if pushes:
             self._peers.wait()
-        for i, buf, parts in self._pushes:
+        for i, buf, parts in pushes:
             lo, hi = worker_slice(buf.numel(), self.me, self.workers)
             if hi > lo:
                 mine = self._buffer(("sum", i), hi - lo, buf).copy_(parts[0])
@@ -135,20 +135,16 @@ class PSClient:
                     mine.add_(part)
                 self.link.isend(reqs, mine, LOCAL_SERVER, TAG_DATA + i)
         reqs.wait()
-        if not self._pulls:
-            self._pushes = []
-            return
-        peers = self._peers
-        for i, out in self._pulls:
+        pulls, self._pulls = self._pulls, []
+        for i, out in pulls:
             lo, hi = worker_slice(out.numel(), self.me, self.workers)
             for p in self._others():
                 plo, phi = worker_slice(out.numel(), p, self.workers)
                 if hi > lo:
-                    self.link.isend(peers, out[lo:hi], 1 + p, TAG_PEER_RESULT + i)
+                    self.link.isend(self._peers, out[lo:hi], 1 + p, TAG_PEER_RESULT + i)
                 if phi > plo:
-                    self.link.irecv(peers, out[plo:phi], 1 + p, TAG_PEER_RESULT + i)
-        peers.wait()
-        self._pushes, self._pulls = [], []
+                    self.link.irecv(self._peers, out[plo:phi], 1 + p, TAG_PEER_RESULT + i)
+        self._peers.wait()
 
     def _others(self) -> list[int]:
         return [p for p in range(self.workers) if p != self.me]
