@@ -17,6 +17,12 @@ export OMPI_MCA_pml := ob1
 export OMPI_MCA_btl := self,sm,tcp
 export OMPI_MCA_mpi_yield_when_idle := 1
 
+# --on-failure continue (or FT=1): MPI fault tolerance (ULFM) and only transports that survive
+# a lost peer (shared memory does not: its survivors hang).
+comma := ,
+FT ?= $(if $(or $(findstring --on-failure continue,$(ARGS)),$(findstring --on-failure=continue,$(ARGS))),1)
+FT_FLAGS := $(if $(FT),--with-ft ulfm --mca btl self$(comma)tcp)
+
 .PHONY: setup train test test-fast lint bench clean
 
 setup: $(VENV)/.installed
@@ -29,7 +35,7 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 	touch $@
 
 train: setup
-	$(BIN)/mpirun -n $(RANKS) $(BIN)/python -m geompi.train $(ARGS)
+	$(BIN)/mpirun -n $(RANKS) $(FT_FLAGS) $(BIN)/python -m geompi.train $(ARGS)
 
 test: setup
 	$(BIN)/python -m pytest -q -ra --durations=25 tests

@@ -91,6 +91,7 @@ class RunConfig:
     # reliability
     comm_timeout: float | None = None
     on_nonfinite: str = "abort"
+    on_failure: str = "abort"  # or "continue": survive lost ranks (ULFM, geompi.comm.faults)
     # where each value came from, for messages
     sources: dict[str, str] = field(default_factory=dict, repr=False)
 
@@ -211,6 +212,7 @@ class RunConfig:
             )
         if self.on_nonfinite not in ON_NONFINITE:
             raise ConfigError(f"unknown --on-nonfinite {self.on_nonfinite!r}: choose abort or skip")
+        self._check_on_failure()
         if self.lan_reduce not in LAN_REDUCE:
             src = self.sources.get("lan_reduce", "--lan-reduce")
             raise ConfigError(
@@ -254,6 +256,36 @@ class RunConfig:
             )
         self.wan_settings()
         return self
+
+    def _check_on_failure(self) -> None:
+        """``--on-failure continue``: so far HFA through the CLI, under a ULFM launch, without
+        the settings whose state a recovery does not rebuild yet."""
+        from geompi.comm.faults import ON_FAILURE, check_launch
+
+        if self.on_failure not in ON_FAILURE:
+            raise ConfigError(
+                f"unknown --on-failure {self.on_failure!r}: choose {' or '.join(ON_FAILURE)}"
+            )
+        if self.on_failure != "continue":
+            return
+        if self.sync != "hfa":
+            raise ConfigError(
+                f"--on-failure continue is supported with --sync hfa only so far, not "
+                f"--sync {self.sync}: use --sync hfa, or --on-failure abort with checkpoints"
+            )
+        refused = [
+            ("--comm-timeout", self.comm_timeout is not None, "ULFM detects lost ranks itself"),
+            ("--checkpoint-dir", self.checkpoint_dir is not None, "not supported together yet"),
+            ("--wan-compression", self.wan_settings().compression != "none",
+             "not supported together yet"),
+            ("--hfa-fragments/--hfa-overlap", self.hfa_fragments > 1 or self.hfa_overlap,
+             "not supported together yet"),
+            ("--adaptive-sync", self.adaptive_sync, "not supported together yet"),
+        ]  # fmt: skip
+        for flag, given, why in refused:
+            if given:
+                raise ConfigError(f"--on-failure continue with {flag}: {why}; drop {flag}")
+        check_launch()
 
     def _check_adaptive(self) -> None:
         """``--adaptive-sync``'s settings (HFA only, without streaming)."""
@@ -580,6 +612,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--on-nonfinite",
         metavar=_one_of(ON_NONFINITE),
         help=f"on a NaN/Inf gradient (default {d.on_nonfinite})",
+    )
+    o.add_argument(
+        "--on-failure",
+        metavar="abort|continue",
+        help="on a lost rank: stop the job, or (HFA, under mpirun --with-ft ulfm) go on without "
+        f"it (default {d.on_failure})",
     )
     return p
 

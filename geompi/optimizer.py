@@ -373,6 +373,7 @@ class Synchronizer:
         self.skipped = 0
         self.closed = False
         self.average_due = False  # HFA: K1 steps done, the datacenter average not yet
+        self.pushed_weight: float | None = None  # HFA: an average's weight, while under way
         model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
         self.hooked = {id(p) for p in self.params if p.requires_grad}
         for p in self.params:
@@ -786,17 +787,54 @@ class Synchronizer:
         """HFA's datacenter average (every K2-th one global, or every key now with
         ``force_global``) of parameters and float buffers."""
         flags = (FLAG_GLOBAL if force_global else 0) | self.lan_flags
-        reqs = self.client.start(Op.AVG, self.keys(), weight=weight, flags=flags)
         for b in self.buckets:
             torch.mul(b.params, weight, out=b.grads)
-            self.client.push(reqs, b.grads)
         if self.aux_len:
             self._pack_buffers(self.aux_send, weight)
+        self.pushed_weight = weight  # the results land in the parameters: see rejoin()
+        reqs = self.client.start(Op.AVG, self.keys(), weight=weight, flags=flags)
+        for b in self.buckets:
+            self.client.push(reqs, b.grads)
+        if self.aux_len:
             self.client.push(reqs, self.aux_send)
         for b in self.buckets:
             self.client.pull(reqs, b.params)
         if self.aux_len:
             self.client.pull(reqs, self.aux_recv)
         self.client.wait(reqs)
+        self.pushed_weight = None
         if self.aux_len:
             self._unpack_buffers(self.aux_recv, 1.0)
+
+    @torch.no_grad()
+    def rejoin(self, topo) -> None:
+        """HFA after a recovery (geompi.comm.faults, ``--on-failure continue``): talk to the
+        local server over the rebuilt communicators; an average cut off mid-way leaves this
+        worker's parameters as it pushed them (a part of the results may have landed)."""
+        s = self.s
+        s.topo = topo
+        round_id, step = self.client.round_id, self.client.step
+        self.client = PSClient(Link(s.comms.dc, LAN, self.stats), self.client.timeout)
+        self.client.round_id, self.client.step = round_id, step
+        if self.cadence is not None:
+            self.cadence.comm = s.comms.all_workers
+        if self.pushed_weight is not None:
+            for b in self.buckets:
+                torch.div(b.grads, self.pushed_weight, out=b.params)
+            if self.aux_len:
+                self._unpack_buffers(self.aux_send, 1.0 / self.pushed_weight)
+            self.pushed_weight = None
+        self.closed = False  # close() may have been cut off too: it runs again
+
+    def agree_on_step(self, step: int) -> int:
+        """Collective over every worker after a recovery: the latest step any of them reached
+        (one that finished its round before the loss may be K1 steps ahead) and round number,
+        which every worker takes on."""
+        import numpy as np
+        from mpi4py import MPI
+
+        mine = np.array([step, self.client.round_id], dtype=np.int64)
+        self.s.comms.all_workers.Allreduce(MPI.IN_PLACE, mine, op=MPI.MAX)
+        self.steps += int(mine[0]) - step
+        self.client.round_id = int(mine[1])
+        return int(mine[0])

@@ -316,6 +316,11 @@ class StopRequest:
         if self._req is not None:
             self._wait()
 
+    def rejoin(self, comm) -> None:
+        """After a recovery (geompi.comm.faults): agree over ``comm``; an agreement under way
+        on the old communicator is dropped."""
+        self.comm, self._req = comm, None
+
     def _wait(self) -> None:
         from geompi.comm.transport import wait_for
 

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import torch
 
 from geompi import sync
-from geompi.comm import heartbeat
+from geompi.comm import faults, heartbeat
 from geompi.comm.topology import Role, Topology, dc_sizes_from_hosts, node_share
 from geompi.comm.transport import LAN, LinkStats, barrier, live_timeout, worker_timeout
 from geompi.config import RunConfig, make_config
@@ -97,10 +97,12 @@ class Worker:
         # Who agrees on stopping and checkpoints together: MixedSync's datacenters stay
         # independent (datacenter 0 alone writes checkpoints); the other algorithms move as one.
         self._nan_at = _fault_nan_at(self.rank)
+        self._kill_at = faults.fault_step("GEOMPI_FAULT_KILL_AT", self.rank)
         self._signal_at = _fault_signal_at(self.rank)
         apart = algo.independent_dcs
         self.group = comms.workers if apart else comms.all_workers
         self.checkpoints = cfg.checkpoint_dir is not None and (not apart or self.dc == 0)
+        self.failures: list[dict] = []  # every lost-rank recovery (--on-failure continue)
         self._prepare_checkpoints()
 
     def _prepare_checkpoints(self) -> None:
@@ -184,6 +186,8 @@ class Worker:
         start_step = self.step
         while self.step < self.total_steps:
             t0 = time.perf_counter()
+            if self.step + 1 == self._kill_at:  # test hook: this worker is lost now
+                faults.kill_self(self.rank)
             self.client.step = self.step + 1
             x, y = self.loader.next_batch()
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
@@ -209,9 +213,12 @@ class Worker:
                 self.engine.force_global_average()
                 forced_at = self.step + 1
             syncs = self.engine.global_syncs
-            self.engine.step(None, self.opt.step)  # as DistributedOptimizer.step()
-            if agreeing:
-                stopping = stop.end()
+            try:
+                self.engine.step(None, self.opt.step)  # as DistributedOptimizer.step()
+                if agreeing:
+                    stopping = stop.end()
+            except Exception as e:  # noqa: BLE001 - a lost rank, under --on-failure continue
+                self._survive(e, stop, log)
             compute_s += dt
             self.step += 1
             self.samples += n
@@ -245,7 +252,12 @@ class Worker:
             self._save(log)
         if not mixed and cfg.wan_settings().compression != "none":
             self.ckpt.global_model()  # the model returned is the global one, not a replica
-        self.engine.close(report=False)  # MixedSync: every worker receives the final model
+        while True:
+            try:
+                self.engine.close(report=False)  # MixedSync: every worker gets the final model
+                break
+            except Exception as e:  # noqa: BLE001 - a lost rank, under --on-failure continue
+                self._survive(e, stop, log)
         if self.checkpoints and mixed:
             self._save(log, final=True)
         wall = time.perf_counter() - t_start
@@ -260,12 +272,46 @@ class Worker:
             "global_syncs": self.engine.global_syncs,
             "signal": stop.signal_name,
         }
+        if self.failures:
+            out["failures"] = self.failures
         if self.engine.cadence is not None:  # --adaptive-sync: the K2 it ended with
             out.update(k2=self.engine.cadence.k2, k2_changes=len(self.engine.cadence.changes))
         if self.master:
             acc, tl = evaluate(self.model, self.ds.x_test, self.ds.y_test)
             out.update(test_acc=acc, test_loss=tl)
         return out
+
+    def _survive(self, err: BaseException, stop: StopRequest, log: MetricsLog | None) -> None:
+        """``--on-failure continue``: a rank was lost during this step's round. Every survivor
+        recovers (geompi.comm.faults), then the workers agree on the step and redo the round
+        as a global average over the surviving datacenters, from the parameters each had
+        before the round (the dead datacenters' updates since their last global average are
+        lost). Re-raises ``err`` where it is not a lost rank."""
+        from geompi.comm import faults
+
+        while True:
+            if not faults.is_failure(err):
+                raise err
+            loss = faults.recover(self.comms, self.topo)  # a leaving rank exits in there
+            self.topo = loss.topo
+            self.group = self.comms.all_workers
+            stop.rejoin(self.group)
+            self.engine.rejoin(loss.topo)
+            self.client = self.engine.client
+            self.step = self.engine.agree_on_step(self.step)
+            self.failures.append(
+                {"step": self.step + 1, "lost_ranks": loss.lost, "left_dcs": loss.left_dcs,
+                 "topology": loss.topo.describe(), "recovered_at": time.time()}
+            )  # fmt: skip
+            if self.master:
+                say(loss.describe(self.step + 1))
+                if log is not None:
+                    log.write({"event": "failure", **self.failures[-1]})
+            try:
+                self.engine.average_globally()
+                return
+            except Exception as again:  # noqa: BLE001 - lost another rank meanwhile
+                err = again
 
     def _resume(self) -> None:
         """Restore the checkpoint (if any) everywhere, then the INIT round starts the servers."""
@@ -376,20 +422,12 @@ class Progress:
 def _fault_signal_at(rank: int) -> int:
     """``GEOMPI_FAULT_SIGNAL_AT=STEP:RANK``: a test hook that makes that rank send itself
     SIGTERM once STEP is done, as a scheduler's pre-emption would."""
-    spec = os.environ.get("GEOMPI_FAULT_SIGNAL_AT", "")
-    if not spec:
-        return -1
-    step, _, at_rank = spec.partition(":")
-    return int(step) if int(at_rank or 0) == rank else -1
+    return faults.fault_step("GEOMPI_FAULT_SIGNAL_AT", rank)
 
 
 def _fault_nan_at(rank: int) -> int:
     """``GEOMPI_FAULT_NAN_AT=STEP:RANK``: a test hook that makes that rank's loss NaN once."""
-    spec = os.environ.get("GEOMPI_FAULT_NAN_AT", "")
-    if not spec:
-        return -1
-    step, _, at_rank = spec.partition(":")
-    return int(step) if int(at_rank or 0) == rank else -1
+    return faults.fault_step("GEOMPI_FAULT_NAN_AT", rank)
 
 
 def worker_device(workers_comm) -> torch.device:
@@ -423,6 +461,8 @@ def _train(cfg: RunConfig, comm) -> dict | None:
     configure_threads(comm)  # one share of the node's CPUs per rank (geompi.threads)
     check_node_gpus(cfg.dc_map, topo, comm)  # --dc-map nodes: one warning if workers != GPUs
     heartbeat.start(comm, cfg.comm_timeout)  # so the watchdog can tell idle from lost
+    if cfg.on_failure == "continue":  # waits raise PeerLost instead of failing (ULFM)
+        faults.watch(comm)
     rank = comm.Get_rank()
     role = topo.role(rank)
     node = log = err = None
@@ -458,6 +498,9 @@ def _train(cfg: RunConfig, comm) -> dict | None:
         result = node.run(log) if role is Role.WORKER else node.run()
     except Exception as e:  # noqa: BLE001
         abort(e)
+    # After a recovery (--on-failure continue) the job goes on in the rebuilt communicators
+    comm, topo = comms.world, node.topo
+    faults.unwatch()
     mine = {"role": role.name, **stats.as_dict()}
     if role is Role.WORKER:
         mine.update(compute_s=result["compute_s"], wall_s=result["wall_s"])

@@ -84,9 +84,11 @@ def mpirun(
     env: dict | None = None,
     cwd=None,
     check: bool = True,
+    launcher: list[str] | tuple[str, ...] = (),
 ) -> subprocess.CompletedProcess:
-    """``mpirun -n N python ARGS`` with this test's Python; raises on hang (and on failure)."""
-    cmd = [mpirun_path(), "-n", str(n), sys.executable, *args]
+    """``mpirun -n N [LAUNCHER...] python ARGS`` with this test's Python; raises on hang (and
+    on failure)."""
+    cmd = [mpirun_path(), "-n", str(n), *launcher, sys.executable, *args]
     res = run(cmd, timeout, env, cwd)
     if check and res.returncode != 0:
         raise AssertionError(
@@ -94,6 +96,11 @@ def mpirun(
             f"\n--- stderr\n{res.stderr[-6000:]}"
         )
     return res
+
+
+# MPI fault tolerance (ULFM) as --on-failure continue needs it: no shared-memory transport
+ULFM = ("--with-ft", "ulfm")
+ULFM_ENV = {"OMPI_MCA_btl": "self,tcp"}
 
 
 def prog(name: str) -> str:

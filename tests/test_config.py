@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -425,3 +426,49 @@ def test_help_lists_choices_and_defaults():
     assert "default depends on --optimizer: sgd 0.05, dcasgd 0.1" in text, text
     assert "default depends on --sync: 0.9, but 0.5 for --sync mixed" in text, text
     assert "GeoMX alias for --sync mixed" in text
+
+
+ULFM_LAUNCH = {"OMPI_MCA_mpi_ft_enable": "1", "OMPI_MCA_btl": "self,tcp"}
+
+
+@pytest.mark.parametrize(
+    "argv,launch,says",
+    [
+        (["--on-failure", "retry"], ULFM_LAUNCH, "unknown --on-failure 'retry'"),
+        (["--on-failure", "continue"], {}, "needs MPI fault tolerance: launch with mpirun"),
+        (
+            ["--on-failure", "continue"],
+            {"OMPI_MCA_mpi_ft_enable": "1", "OMPI_MCA_btl": "self,sm,tcp"},
+            "shared-memory transport",
+        ),
+        (["--on-failure", "continue", "--sync", "fsa"], ULFM_LAUNCH, "--sync hfa only so far"),
+        (
+            ["--on-failure", "continue", "--comm-timeout", "5"],
+            ULFM_LAUNCH,
+            "--comm-timeout: ULFM detects lost ranks itself",
+        ),
+        (
+            ["--on-failure", "continue", "--checkpoint-dir", "ck"],
+            ULFM_LAUNCH,
+            "drop --checkpoint-dir",
+        ),
+        (["--on-failure", "continue", "--hfa-fragments", "2"], ULFM_LAUNCH, "drop --hfa-frag"),
+    ],
+)
+def test_on_failure_continue_needs_hfa_and_a_ulfm_launch(
+    monkeypatch: pytest.MonkeyPatch, argv: list[str], launch: dict, says: str
+) -> None:
+    """Refused in one line where the launch or the settings cannot survive a lost rank."""
+    for var in ("OMPI_MCA_mpi_ft_enable", "OMPI_MCA_btl"):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in launch.items():
+        monkeypatch.setenv(var, value)
+    sync = [] if "--sync" in argv else ["--sync", "hfa"]
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        cfg(*argv, *sync).validate()
+
+
+def test_on_failure_continue_under_ulfm_is_accepted(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var, value in ULFM_LAUNCH.items():
+        monkeypatch.setenv(var, value)
+    assert cfg("--on-failure", "continue", "--sync", "hfa").validate().on_failure == "continue"

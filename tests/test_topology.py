@@ -284,3 +284,32 @@ def test_start_up_refuses_settings_that_differ_between_ranks():
         ConfigError, match=r"GEOMPI_SYNC differs between ranks \(rank 0: 'fsa', rank 3: unset\)"
     ):
         check_same_env(odd)
+
+
+def test_surviving_topology_drops_a_datacenter_that_lost_its_local_server() -> None:
+    from geompi.comm.faults import surviving_topology
+
+    t = Topology.plan(10, dc_sizes=[3, 2, 3], global_servers=2)  # local servers 2, 4, 7
+    after, left = surviving_topology(t, {7})
+    assert left == [2] and after.dc_sizes == (3, 2) and after.world_size == 7
+    assert after.global_servers == [5, 6]
+    after, left = surviving_topology(t, {5, 6})  # every worker of datacenter 2
+    assert left == [2] and after.dc_sizes == (3, 2)
+
+
+def test_surviving_topology_keeps_a_datacenter_with_workers_left() -> None:
+    from geompi.comm.faults import surviving_topology
+
+    t = Topology.plan(10, dc_sizes=[3, 2, 3], global_servers=2)
+    after, left = surviving_topology(t, {6, 1})  # one worker of datacenters 2 and 0
+    assert left == [] and after.dc_sizes == (2, 2, 2) and after.world_size == 8
+
+
+@pytest.mark.parametrize("lost", [{8}, {0}, {2}, {0, 1}])
+def test_surviving_topology_refuses_what_the_job_cannot_lose(lost: set[int]) -> None:
+    """A global server (its shard) or datacenter 0 (rank 0, the master worker)."""
+    from geompi.comm.faults import LostEssentialRank, surviving_topology
+
+    t = Topology.plan(10, dc_sizes=[3, 2, 3], global_servers=2)
+    with pytest.raises(LostEssentialRank, match="--resume latest"):
+        surviving_topology(t, lost)

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from geompi.comm import heartbeat, messages
+from geompi.comm import faults, heartbeat, messages
 from geompi.comm.buffers import Staging, host_view
 from geompi.errors import CommTimeoutError
 
@@ -159,6 +159,9 @@ def wait_for(reqs: list[MPI.Request], timeout: float | None, what: str = "") -> 
     oversubscribed nodes, or with a timeout) and raises CommTimeoutError once a rank is lost:
     silent on the heartbeat for ``timeout`` seconds (geompi.comm.heartbeat), or, without a
     heartbeat, no answer for ``timeout`` seconds."""
+    if faults.watching():
+        _wait_surviving(reqs, what)
+        return
     if not timeout and not POLL:
         MPI.Request.Waitall(reqs)
         return
@@ -168,6 +171,20 @@ def wait_for(reqs: list[MPI.Request], timeout: float | None, what: str = "") -> 
         watch.check()
         time.sleep(pause)
         pause = min(pause * 2, 2e-4 if POLL else 1e-3)
+
+
+def _wait_surviving(reqs: list[MPI.Request], what: str) -> None:
+    """``--on-failure continue``: poll, and raise PeerLost where a peer is lost, a
+    communicator was revoked, or the world was (another survivor began a recovery)."""
+    pause = 1e-5
+    try:
+        while not MPI.Request.Testall(reqs):
+            if faults.world_revoked():
+                raise faults.PeerLost(f"another rank began a recovery while waiting for {what}")
+            time.sleep(pause)
+            pause = min(pause * 2, 2e-4)
+    except MPI.Exception as e:
+        raise faults.PeerLost(f"{e.Get_error_string()} while waiting for {what}") from e
 
 
 def live_timeout(timeout: float | None) -> float | None:

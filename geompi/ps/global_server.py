@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 
 import torch
 
+from geompi.comm import faults
 from geompi.comm.buffers import BufferPool
 from geompi.comm.topology import Communicators, Topology
 from geompi.comm.transport import (
@@ -61,8 +63,11 @@ class GlobalServer:
         codec: TierCodec | None = None,
     ) -> None:
         self.topo = topo
+        self.comms = comms
         self.link = Link(comms.glob, WAN, stats)
         self.world = comms.world
+        self._before: dict | None = None  # this shard at the start of the round under way
+        self._kill_at = faults.fault_step("GEOMPI_FAULT_KILL_AT", comms.world.Get_rank())
         self._restore: dict | None = None
         self.index = comms.glob.Get_rank() - topo.num_dcs
         self.stats = stats
@@ -116,8 +121,45 @@ class GlobalServer:
         self.presence_numel = first * self.topo.num_global_servers
 
     def run(self) -> None:
-        while self.serve_round():
-            pass
+        while True:
+            try:
+                if not self.serve_round():
+                    return
+            except Exception as e:  # noqa: BLE001 - a lost rank, under --on-failure continue
+                if not faults.is_failure(e):
+                    raise
+                self._roll_back()
+                self.rejoin(faults.recover(self.comms, self.topo))
+
+    def rejoin(self, loss: faults.Loss) -> None:
+        """After a recovery: the same shard, served to the surviving local servers."""
+        self.topo = loss.topo
+        self.link = Link(self.comms.glob, WAN, self.stats)
+        self.world = self.comms.world
+        self.index = self.comms.glob.Get_rank() - self.topo.num_dcs
+
+    def _keep_before(self) -> None:
+        """Under --on-failure continue: this shard as the round starts, so a round cut off by
+        a lost rank (some keys applied, some not) can be undone and redone by the survivors."""
+        self._before = {
+            "values": {k: v.clone() for k, v in self.values.items()},
+            "outer": copy.deepcopy(self.outer_state),
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()) if self.optimizer else None,
+            "updates": self.updates,
+        }
+
+    def _roll_back(self) -> None:
+        """Undo the round a lost rank cut off (see _keep_before); nothing if none was."""
+        before, self._before = self._before, None
+        if before is None:
+            return
+        for k, v in before["values"].items():
+            if k in self.values:
+                self.values[k].copy_(v)  # in place: the optimizer state points at them
+        self.outer_state = before["outer"]
+        if before["optimizer"] is not None:
+            self.optimizer.load_state_dict(self.values, before["optimizer"])
+        self.updates = before["updates"]
 
     def report(self) -> dict:
         """What this server contributes to the run's summary."""
@@ -134,6 +176,8 @@ class GlobalServer:
         clear_beyond_wire(headers)
         self.stats.received[WAN] += sum(8 * wire_header(h).numel() for h in headers)
         rnd, weight, with_spec = agree(headers, list(range(d)), "global tier")
+        if rnd.step == self._kill_at:  # test hook: this global server is lost now
+            faults.kill_self(self.world.Get_rank())
         for ls in with_spec:
             spec_t = torch.empty(int(Round.decode(headers[ls]).spec_len), dtype=torch.uint8)
             recv_buffer(
@@ -150,6 +194,8 @@ class GlobalServer:
             return rnd
         if rnd.flags & FLAG_PRESENCE and self.presence_key is not None:  # not on the wire
             rnd.keys.append((self.presence_key, self.presence_numel))
+        if faults.watching():
+            self._keep_before()
         self._keep: list[torch.Tensor] = []  # payloads alive until their sends complete
         self._present = None
         pos = presence_position(rnd)  # never compressed; read first, it says what to step
@@ -228,6 +274,7 @@ class GlobalServer:
             self.restore(self._restore)
             self._restore = None
         reqs.wait()
+        self._before = None
         return rnd
 
     def _send_result(

@@ -10,6 +10,7 @@ from functools import partial
 
 import torch
 
+from geompi.comm import faults
 from geompi.comm.buffers import BufferPool, all_finite
 from geompi.comm.linkmodel import Duplex, LinkModel
 from geompi.comm.topology import Communicators, Topology
@@ -113,7 +114,9 @@ class SyncUplink:
         self.sends = self._requests()
         self.round_bytes = 0  # data bytes this round sends up (the peak is reported)
         hdr = wire_header(
-            Round(rnd.op, rnd.round_id, rnd.keys, rnd.weight, len(spec or b""), rnd.flags).encode()
+            Round(
+                rnd.op, rnd.round_id, rnd.keys, rnd.weight, len(spec or b""), rnd.flags, rnd.step
+            ).encode()
         )
         spec_t = torch.frombuffer(bytearray(spec), dtype=torch.uint8) if spec else None
         self._keep = [hdr] if spec_t is None else [hdr, spec_t]  # alive until sent
@@ -208,6 +211,12 @@ class SyncUplink:
         self._flush()
         reqs.wait()
 
+    def rejoin(self, link: Link, topo: Topology) -> None:
+        """After a recovery (geompi.comm.faults): the rebuilt global tier; what was queued
+        for the old one is dropped."""
+        self.link, self.topo = link, topo
+        self._queue.clear()
+
     def _servers(self) -> range:
         d = self.topo.num_dcs
         return range(d, d + self.topo.num_global_servers)
@@ -237,6 +246,7 @@ class LocalServer:
         mix: float = 1.0,
     ) -> None:
         self.topo = topo
+        self.comms = comms
         self.dc = topo.dc_of(comms.world.Get_rank())
         self.lan = Link(comms.dc, LAN, stats)
         self.uplink = uplink or SyncUplink(Link(comms.glob, WAN, stats), topo, timeout)
@@ -261,10 +271,27 @@ class LocalServer:
         self._round_end: float | None = None  # when the previous round's results went out
         # --lan-bandwidth: this server's LAN port, shared by all its workers' traffic
         self.lan_port = Duplex(lan_model) if lan_model is not None and lan_model.active else None
+        self._kill_at = faults.fault_step("GEOMPI_FAULT_KILL_AT", comms.world.Get_rank())
 
     def run(self) -> None:
-        while self.serve_round():
-            pass
+        while True:
+            try:
+                if not self.serve_round():
+                    return
+            except Exception as e:  # noqa: BLE001 - a lost rank, under --on-failure continue
+                if not faults.is_failure(e):
+                    raise
+                self.rejoin(faults.recover(self.comms, self.topo))  # leaving: exits there
+
+    def rejoin(self, loss: faults.Loss) -> None:
+        """After a recovery: serve the same datacenter (renumbered) over the rebuilt
+        communicators. The round cut off is dropped: the workers redo it as a global one."""
+        self.topo = loss.topo
+        self.dc = self.topo.dc_of(self.comms.world.Get_rank())
+        self.lan = Link(self.comms.dc, LAN, self.stats)
+        self.workers = self.topo.workers(self.dc)
+        self.uplink.rejoin(Link(self.comms.glob, WAN, self.stats), self.topo)
+        self.avg_rounds.clear()
 
     def serve_round(self) -> bool:
         reqs = Requests(self.stats, self.timeout, f"the workers of datacenter {self.dc}")
@@ -277,6 +304,8 @@ class LocalServer:
                 time.sleep(2e-4)
         reqs.wait()
         rnd, weight, with_spec = agree(headers[1:], self.workers, f"datacenter {self.dc}")
+        if rnd.step == self._kill_at:  # test hook: this local server is lost now
+            faults.kill_self(self.comms.world.Get_rank())
         spec = None
         if with_spec:
             dc_rank = 1 + self.workers.index(with_spec[0])
@@ -331,7 +360,15 @@ class LocalServer:
             if not self._may_skip(rnd):
                 flags |= FLAG_WEIGHT_FINAL  # a non-finite sum raises: the weight stays
             self.uplink.begin(
-                Round(rnd.op, rnd.round_id, [rnd.keys[i] for i in sorted(due)], weight, 0, flags),
+                Round(
+                    rnd.op,
+                    rnd.round_id,
+                    [rnd.keys[i] for i in sorted(due)],
+                    weight,
+                    0,
+                    flags,
+                    rnd.step,
+                ),
                 spec,
             )
         pos = presence_position(rnd)

@@ -177,6 +177,7 @@ def hfa_reference(
     batches=None,
     outer_nesterov_lr: float | None = None,
     final_global: bool = False,
+    lost: tuple[int, int] | None = None,
 ) -> list[dict[str, torch.Tensor]]:
     """An independent simulation of HFA: one model and optimizer per worker, datacenter
     averages every K1 steps, every K2-th one over all workers. Weights: samples, or
@@ -184,7 +185,10 @@ def hfa_reference(
     ``outer_nesterov_lr``: the global average goes through an outer Nesterov step (momentum
     0.9) on ``global - average``, DiLoCo's outer optimizer. ``final_global``: after ``steps``
     that are not a multiple of K1*K2, one more average over every worker (what close() does),
-    weighted by the samples since the last average, or if there were none by its weights."""
+    weighted by the samples since the last average, or if there were none by its weights.
+    ``lost`` = (datacenter, step): that datacenter is lost during the average at ``step`` (a
+    multiple of K1), which becomes global over the others' workers; its workers train no more,
+    and the count towards K2 starts again (geompi's --on-failure continue, as its docs say)."""
     workers = sum(dc_sizes)
     dcs = [list(range(sum(dc_sizes[:d]), sum(dc_sizes[: d + 1]))) for d in range(len(dc_sizes))]
     dc_of = {w: d for d, members in enumerate(dcs) for w in members}
@@ -201,9 +205,10 @@ def hfa_reference(
     samples = fresh()
     last = samples  # the weights of the last average
     rounds = 0
+    alive = list(range(workers))
     for t in range(steps + (1 if final_global and steps % (k1 * k2) else 0)):
         final = t == steps  # close(): one more average, over every worker
-        for w in range(workers if not final else 0):
+        for w in alive if not final else []:
             x, y, *extra = batches(w, t)
             opts[w].zero_grad()
             loss_fn(models[w](x, *extra), y).backward()
@@ -215,8 +220,13 @@ def hfa_reference(
         if final and not any(samples):  # just averaged: the last average's weights again
             samples = last
         rounds += 1
-        is_global = rounds % k2 == 0 or final
-        groups = [list(range(workers))] if is_global else dcs
+        lost_now = lost is not None and t + 1 == lost[1]
+        if lost_now:
+            alive = [w for w in alive if dc_of[w] != lost[0]]
+            rounds = 0
+        is_global = lost_now or rounds % k2 == 0 or final
+        groups = [alive] if is_global else [[w for w in d if w in alive] for d in dcs]
+        groups = [g for g in groups if g]
         with torch.no_grad():
             for group in groups:
                 total = sum(samples[w] for w in group)

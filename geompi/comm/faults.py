@@ -1,0 +1,277 @@
+"""Surviving lost ranks (``--on-failure continue``) with MPI's fault tolerance, ULFM.
+
+Under ``mpirun --with-ft ulfm`` the MPI library reports a lost peer as an error of the
+operation that needed it. The rule here:
+
+- **Detect.** Every wait (geompi.comm.transport.wait_for) polls, and also watches the world
+  communicator: a wait that meets a lost or revoked peer, or sees the world revoked, raises
+  :class:`PeerLost`.
+- **Tell everyone.** :func:`recover` first revokes every communicator of the rank, the world
+  included, so each other rank's next wait raises too, whatever it was waiting on.
+- **Agree and shrink.** Every survivor shrinks the world (``Comm.Shrink``, itself fault
+  tolerant: the survivors agree on who is gone), then the topology without the lost ranks is
+  planned from the same facts on every rank (:func:`surviving_topology`). A datacenter whose
+  local server, or every worker, is lost leaves the job: its remaining ranks end with status 0.
+  After a recovery, processes end without MPI_Finalize (see :func:`_skip_finalize`).
+  The others get new communicators for every tier.
+
+What each role then does with its half-done round is its own: see geompi.train (workers),
+geompi.ps.local_server and geompi.ps.global_server.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+
+from geompi.comm.topology import Communicators, Topology, build_communicators
+from geompi.errors import ConfigError, GeompiError
+
+FT_ENV = "OMPI_MCA_mpi_ft_enable"  # what mpirun --with-ft ulfm sets in every rank
+ON_FAILURE = ("abort", "continue")
+_LET_FIRST_ABORT_S = 3.0
+
+
+class PeerLost(Exception):
+    """A wait met a lost rank, or a communicator another survivor revoked (ULFM): the round
+    under way cannot finish; the caller recovers (:func:`recover`) and redoes it."""
+
+
+class LostEssentialRank(GeompiError):
+    """A rank the job cannot go on without was lost (a global server, the master worker)."""
+
+
+def ulfm_launch(env=os.environ) -> bool:
+    """Whether this process was started with MPI fault tolerance (``--with-ft ulfm``)."""
+    return env.get(FT_ENV, "").strip().lower() in ("1", "true", "yes", "enabled")
+
+
+def check_launch(env=os.environ) -> None:
+    """Raise ConfigError unless the launch can survive a lost rank (``--on-failure
+    continue``): ULFM on, and no shared-memory transport, which hangs the survivors."""
+    if not ulfm_launch(env):
+        raise ConfigError(
+            "--on-failure continue needs MPI fault tolerance: launch with "
+            "mpirun --with-ft ulfm --mca btl tcp,self (make train, or GEOMPI_FT=1 with sbatch)"
+        )
+    btl = [b.strip() for b in env.get("OMPI_MCA_btl", "").split(",")]
+    if "sm" in btl or "vader" in btl:
+        raise ConfigError(
+            f"--on-failure continue with the shared-memory transport (OMPI_MCA_btl="
+            f"{env.get('OMPI_MCA_btl')}): its survivors hang on a lost peer; pass "
+            "--mca btl tcp,self to mpirun"
+        )
+
+
+# The world communicator the waits watch (None: failures abort, as without ULFM).
+_world = None
+
+
+def watch(world) -> None:
+    """From now on, waits raise PeerLost on failures, and watch ``world`` for a revocation."""
+    global _world
+    _world = world
+
+
+def unwatch() -> None:
+    global _world
+    _world = None
+
+
+def watching() -> bool:
+    return _world is not None
+
+
+def world_revoked() -> bool:
+    """Whether another survivor revoked the watched world (cheap: a local flag)."""
+    return _world is not None and bool(_world.Is_revoked())
+
+
+def is_failure(err: BaseException) -> bool:
+    """Whether ``err`` is a lost peer that this job survives (an MPI error under watch())."""
+    if isinstance(err, PeerLost):
+        return True
+    from mpi4py import MPI
+
+    return _world is not None and isinstance(err, MPI.Exception)
+
+
+@dataclass
+class Loss:
+    """What one recovery found, the same on every survivor."""
+
+    lost: list[int]  # world ranks (before) that are gone
+    left_dcs: list[int]  # datacenters (numbered as before) that left the job
+    topo: Topology  # the job after
+    before: Topology
+    leaving: bool  # this rank's datacenter left: it exits
+
+    def describe(self, step: int | None = None) -> str:
+        """The one line a recovery prints (from the new rank 0)."""
+        b = self.before
+        parts = []
+        for r in self.lost:
+            role = b.role(r).value
+            dc = b.dc_of(r)
+            parts.append(f"{r} ({role}{'' if dc is None else f' of datacenter {dc}'})")
+        at = "" if step is None else f" at step {step}"
+        msg = f"geompi: lost rank(s) {', '.join(parts)}{at}"
+        if self.left_dcs:
+            dcs = ", ".join(map(str, self.left_dcs))
+            msg += (
+                f"; datacenter(s) {dcs} left the job with their updates since the last global "
+                "average"
+            )
+        dropped = [r for r in self.lost if b.dc_of(r) not in self.left_dcs]
+        if dropped:
+            msg += f"; the data shard(s) of worker rank(s) {', '.join(map(str, dropped))} dropped"
+        t = self.topo
+        return msg + (
+            f"; going on with {t.num_dcs} datacenter(s), {t.num_workers} worker(s), "
+            f"{t.world_size} rank(s)"
+        )
+
+
+def surviving_topology(topo: Topology, lost: set[int]) -> tuple[Topology, list[int]]:
+    """The job without the ``lost`` world ranks, and the datacenters that leave with them.
+
+    A datacenter leaves when its local server or every one of its workers is lost; otherwise
+    it keeps its surviving workers. Raises LostEssentialRank for a lost global server (its shard
+    of the global model and optimizer state is gone) and for datacenter 0 leaving or losing
+    rank 0 (the master worker: metrics, evaluation, the summary). Pure: every survivor
+    computes the same result.
+    """
+    gone_gs = sorted(lost & set(topo.global_servers))
+    if gone_gs:
+        raise LostEssentialRank(
+            f"global server rank(s) {', '.join(map(str, gone_gs))} lost: their shard of the "
+            "global model and its optimizer state are gone, so the job stops; run it again"
+        )
+    sizes, left = [], []
+    for d in range(topo.num_dcs):
+        alive = [w for w in topo.workers(d) if w not in lost]
+        if topo.local_server(d) in lost or not alive:
+            left.append(d)
+        else:
+            sizes.append(len(alive) + 1)
+    if 0 in left or 0 in lost:
+        raise LostEssentialRank(
+            "datacenter 0 lost its local server, its workers or rank 0, the master worker "
+            "(metrics, evaluation, the summary): the job cannot go on without it, so it stops; "
+            "run it again"
+        )
+    g = topo.num_global_servers
+    return Topology(sum(sizes) + g, tuple(sizes), g), left
+
+
+def fault_step(var: str, rank: int, env=os.environ) -> int:
+    """A test hook's step for this rank: ``VAR=STEP:RANK[,RANK...]`` (RANK defaults to 0),
+    else -1. GEOMPI_FAULT_KILL_AT makes those ranks SIGKILL themselves as the round of STEP
+    reaches them."""
+    spec = env.get(var, "")
+    if not spec:
+        return -1
+    step, _, ranks = spec.partition(":")
+    return int(step) if rank in [int(r) for r in (ranks or "0").split(",")] else -1
+
+
+def kill_self(rank: int) -> None:
+    """The lost rank of a test (GEOMPI_FAULT_KILL_AT): gone at once, as a crashed node. It
+    says when first (``time.time()``), for bench/failure.py's detection-to-recovery time."""
+    sys.stderr.write(f"geompi: test hook: rank {rank} killed at {time.time():.6f}\n")
+    sys.stderr.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+_finalize_skipped = False
+
+
+_last_world = None  # the world the last recovery built (None on a rank that left)
+_GOODBYE_S = 30.0  # at most this long for every survivor to reach the end
+_FLUSH_S = 0.3  # then this long driving MPI progress, so the last messages leave
+
+
+def _skip_finalize() -> None:
+    """Once a rank was lost, end this process without MPI_Finalize: Open MPI 5.0.11's
+    finalize fence waited forever for the lost ranks in about 1 run of 4 here (every
+    survivor in ompi_mpi_finalize). Instead the survivors meet in a last barrier, drive MPI
+    progress a moment so that no message of theirs is still queued (a process that ended
+    with one made its peer's last wait fail with PROC_FAILED, about 1 run of 3), and end
+    with status 0. The hook runs before mpi4py's own (atexit runs the last registered
+    first)."""
+    global _finalize_skipped
+    if _finalize_skipped:
+        return
+    _finalize_skipped = True
+
+    def end() -> None:
+        comm = _last_world
+        if comm is not None:
+            try:
+                req, until = comm.Ibarrier(), time.monotonic() + _GOODBYE_S
+                while not req.Test() and time.monotonic() < until:
+                    time.sleep(1e-3)
+                until = time.monotonic() + _FLUSH_S
+                while time.monotonic() < until:
+                    comm.Iprobe()
+                    time.sleep(1e-3)
+            except Exception:  # noqa: BLE001 - lost another rank at the very end: exit anyway
+                pass
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+    atexit.register(end)
+
+
+def revoke_all(comms: Communicators) -> None:
+    """Revoke every communicator of this rank, so every peer's next wait fails too."""
+    for c in (comms.world, comms.dc, comms.glob, comms.workers, comms.all_workers):
+        if c is not None:
+            try:
+                c.Revoke()
+            except Exception:  # noqa: BLE001 - already revoked, or freed: nothing to tell
+                pass
+
+
+def recover(comms: Communicators, topo: Topology) -> Loss:
+    """Collective over the survivors: agree on who is gone, shrink, and rebuild ``comms``
+    in place for the surviving topology. A rank whose datacenter leaves raises SystemExit(0)
+    here, once the others no longer need it. Raises LostEssentialRank where the job cannot go
+    on."""
+    from mpi4py import MPI
+
+    global _last_world
+    revoke_all(comms)
+    old = comms.world
+    shrunk = old.Shrink()
+    survivors = MPI.Group.Translate_ranks(shrunk.Get_group(), list(range(shrunk.Get_size())),
+                                          old.Get_group())  # fmt: skip
+    lost = set(range(old.Get_size())) - set(survivors)
+    if not lost:  # an MPI error without a lost peer: not ours to survive
+        raise GeompiError("an MPI operation failed, but no rank was lost")
+    try:
+        new_topo, left = surviving_topology(topo, lost)
+    except LostEssentialRank:  # identical on every survivor: the first reports and aborts
+        if shrunk.Get_rank() == 0:
+            raise
+        time.sleep(_LET_FIRST_ABORT_S)  # its abort ends this process
+        os._exit(1)
+    me = old.Get_rank()
+    dc = topo.dc_of(me)
+    leaving = dc is not None and dc in left
+    staying = shrunk.Split(MPI.UNDEFINED if leaving else 0, me)
+    loss = Loss(sorted(lost), left, new_topo, topo, leaving)
+    _skip_finalize()
+    if leaving:
+        raise SystemExit(0)
+    fresh = build_communicators(new_topo, staying)
+    comms.world, comms.dc, comms.glob = fresh.world, fresh.dc, fresh.glob
+    comms.workers, comms.all_workers = fresh.workers, fresh.all_workers
+    watch(comms.world)
+    _last_world = comms.world
+    return loss

@@ -1,0 +1,98 @@
+"""--on-failure continue: ranks SIGKILLed mid-run under MPI fault tolerance (ULFM); the
+survivors finish with exit 0, equal to an independent simulation that drops the lost
+datacenter at that step."""
+
+import json
+
+import pytest
+import torch
+
+from tests.mpirun import ULFM, ULFM_ENV, error_lines, mpirun, prog
+from tests.reference import max_abs_diff
+
+pytestmark = pytest.mark.mpi
+
+LOST_AT = 4  # a global average (K1 = K2 = 2): no survivor can finish it before the loss
+
+
+def reference(lost: tuple[int, int] | None = (2, LOST_AT)) -> dict[str, torch.Tensor]:
+    """The run of tests/progs/hfa_dc_lost.py, simulated: datacenters of 2, 1 and 2 workers,
+    momentum 0.9, outer Nesterov 0.7; datacenter 2 is lost during the average at LOST_AT,
+    which the others make global among themselves."""
+    from geompi.models import build_model
+    from tests.progs.api_common import hfa_reference
+    from tests.reference import worker_loaders
+
+    ds, loaders = worker_loaders("digits", 5, batch_size=7, seed=4)
+    models = []
+    for _ in range(5):
+        torch.manual_seed(4)
+        models.append(build_model("mlp", ds.input_shape, ds.num_classes))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in models]
+    return hfa_reference(
+        [2, 1, 2],
+        k1=2,
+        k2=2,
+        steps=12,
+        models=models,
+        opts=opts,
+        batches=lambda w, t: loaders[w].next_batch(),
+        outer_nesterov_lr=0.7,
+        lost=lost,
+    )[0]
+
+
+@pytest.fixture(scope="module")
+def expected():
+    return reference()
+
+
+@pytest.mark.parametrize(
+    "killed,what",
+    [("7", "local server of datacenter 2"), ("5,6", "worker of datacenter 2")],
+    ids=["local_server", "every_worker"],
+)
+def test_hfa_survives_a_lost_datacenter(tmp_path, expected, killed, what):
+    """Datacenter 2 is lost at step 4: its local server, or both its workers, SIGKILLed.
+    The job ends with exit 0 on the global model of the other two, which equals the
+    simulation that drops datacenter 2 at that average (1e-5), and says so in one line."""
+    env = {**ULFM_ENV, "GEOMPI_FAULT_KILL_AT": f"{LOST_AT}:{killed}"}
+    res = mpirun(10, [prog("hfa_dc_lost.py"), str(tmp_path)], 150, env=env, launcher=ULFM)
+    lines = [ln for ln in res.stderr.splitlines() if ln.startswith("geompi: lost")]
+    assert len(lines) == 1, res.stderr
+    assert f"at step {LOST_AT}" in lines[0] and what in lines[0], lines[0]
+    assert "datacenter(s) 2 left the job" in lines[0]
+    assert "going on with 2 datacenter(s), 3 worker(s), 7 rank(s)" in lines[0]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    (failure,) = summary["failures"]
+    assert failure["step"] == LOST_AT and failure["left_dcs"] == [2]
+    assert failure["lost_ranks"] == [int(r) for r in killed.split(",")]
+    assert summary["topology"]["dc_sizes"] == [3, 2]
+    assert summary["steps"] == 12 and summary["global_syncs"] == 3  # at 4 (redone), 8, 12
+    got = torch.load(tmp_path / "model.pt")
+    assert max_abs_diff(got, expected) <= 1e-5
+
+
+def test_the_reference_tells_a_lost_datacenter_apart(expected):
+    """The check above can fail: had datacenter 2 stayed, or left one average later, the
+    model would differ by far more than its tolerance."""
+    assert max_abs_diff(reference(lost=None), expected) > 1e-3
+    assert max_abs_diff(reference(lost=(2, LOST_AT + 2)), expected) > 1e-3
+
+
+@pytest.mark.parametrize(
+    "killed,says",
+    [("8", "global server rank(s) 8 lost"), ("2", "datacenter 0 lost its local server")],
+    ids=["global_server", "datacenter_0"],
+)
+def test_a_loss_the_job_cannot_survive_stops_it_in_one_line(tmp_path, killed, says):
+    """A global server (its shard of the model) or datacenter 0 (the master worker's): one
+    line from one rank, a non-zero exit, no hang."""
+    env = {**ULFM_ENV, "GEOMPI_FAULT_KILL_AT": f"{LOST_AT}:{killed}"}
+    res = mpirun(
+        10, [prog("hfa_dc_lost.py"), str(tmp_path)], 120, env=env, launcher=ULFM, check=False
+    )
+    assert res.returncode != 0
+    lines = error_lines(res.stderr)
+    assert len(lines) == 1 and says in lines[0] and "run it again" in lines[0], res.stderr
+    assert not (tmp_path / "summary.json").exists()
