@@ -15,7 +15,10 @@ pytestmark = pytest.mark.mpi
 LOST_AT = 4  # a global average (K1 = K2 = 2): no survivor can finish it before the loss
 
 
-def reference(lost: tuple[int, int] | None = (2, LOST_AT)) -> dict[str, torch.Tensor]:
+DC2 = [3, 4]  # the worker indices of datacenter 2 (ranks 5 and 6)
+
+
+def reference(lost: tuple[list[int], int] | None = (DC2, LOST_AT)) -> dict[str, torch.Tensor]:
     """The run of tests/progs/hfa_dc_lost.py, simulated: datacenters of 2, 1 and 2 workers,
     momentum 0.9, outer Nesterov 0.7; datacenter 2 is lost during the average at LOST_AT,
     which the others make global among themselves."""
@@ -73,11 +76,26 @@ def test_hfa_survives_a_lost_datacenter(tmp_path, expected, killed, what):
     assert max_abs_diff(got, expected) <= 1e-5
 
 
+def test_hfa_survives_a_lost_worker(tmp_path):
+    """One of datacenter 2's two workers (rank 6) is lost at step 4: datacenter 2 goes on with
+    the other; the final model equals the simulation that drops that worker there."""
+    env = {**ULFM_ENV, "GEOMPI_FAULT_KILL_AT": f"{LOST_AT}:6"}
+    res = mpirun(10, [prog("hfa_dc_lost.py"), str(tmp_path)], 150, env=env, launcher=ULFM)
+    (line,) = [ln for ln in res.stderr.splitlines() if ln.startswith("geompi: lost")]
+    assert "6 (worker of datacenter 2)" in line and "left the job" not in line
+    assert "the data shard(s) of worker rank(s) 6 dropped" in line
+    assert "going on with 3 datacenter(s), 4 worker(s), 9 rank(s)" in line
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["topology"]["dc_sizes"] == [3, 2, 2]
+    got = torch.load(tmp_path / "model.pt")
+    assert max_abs_diff(got, reference(lost=([4], LOST_AT))) <= 1e-5
+
+
 def test_the_reference_tells_a_lost_datacenter_apart(expected):
     """The check above can fail: had datacenter 2 stayed, or left one average later, the
     model would differ by far more than its tolerance."""
     assert max_abs_diff(reference(lost=None), expected) > 1e-3
-    assert max_abs_diff(reference(lost=(2, LOST_AT + 2)), expected) > 1e-3
+    assert max_abs_diff(reference(lost=(DC2, LOST_AT + 2)), expected) > 1e-3
 
 
 @pytest.mark.parametrize(

@@ -177,7 +177,7 @@ def hfa_reference(
     batches=None,
     outer_nesterov_lr: float | None = None,
     final_global: bool = False,
-    lost: tuple[int, int] | None = None,
+    lost: tuple[list[int], int] | None = None,
 ) -> list[dict[str, torch.Tensor]]:
     """An independent simulation of HFA: one model and optimizer per worker, datacenter
     averages every K1 steps, every K2-th one over all workers. Weights: samples, or
@@ -186,9 +186,9 @@ def hfa_reference(
     0.9) on ``global - average``, DiLoCo's outer optimizer. ``final_global``: after ``steps``
     that are not a multiple of K1*K2, one more average over every worker (what close() does),
     weighted by the samples since the last average, or if there were none by its weights.
-    ``lost`` = (datacenter, step): that datacenter is lost during the average at ``step`` (a
-    multiple of K1), which becomes global over the others' workers; its workers train no more,
-    and the count towards K2 starts again (geompi's --on-failure continue, as its docs say)."""
+    ``lost`` = (workers, step): those workers (or their datacenter) are lost during the average
+    at ``step`` (a multiple of K1), which becomes global over the other workers; they train no
+    more, and the count towards K2 starts again (--on-failure continue, as the README says)."""
     workers = sum(dc_sizes)
     dcs = [list(range(sum(dc_sizes[:d]), sum(dc_sizes[: d + 1]))) for d in range(len(dc_sizes))]
     dc_of = {w: d for d, members in enumerate(dcs) for w in members}
@@ -222,7 +222,7 @@ def hfa_reference(
         rounds += 1
         lost_now = lost is not None and t + 1 == lost[1]
         if lost_now:
-            alive = [w for w in alive if dc_of[w] != lost[0]]
+            alive = [w for w in alive if w not in lost[0]]
             rounds = 0
         is_global = lost_now or rounds % k2 == 0 or final
         groups = [alive] if is_global else [[w for w in d if w in alive] for d in dcs]
