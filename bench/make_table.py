@@ -358,6 +358,36 @@ def render_gs_bytes(d: dict) -> list[str]:
     return out
 
 
+def render_failure(d: dict) -> list[str]:
+    def cell(f: dict, digits: int = 2) -> str:
+        return f"{num(f['median'], digits)} ({num(f['min'], digits)}-{num(f['max'], digits)})"
+
+    g, w = d["goodput_samples_per_s"], d["wall_s"]
+    ratio, detect = d["goodput_continue_over_restart"], d["detection_to_recovery_s"]
+    rows = [
+        ["goodput, --on-failure continue (samples/s)", cell(g["continue"], 0), "", ""],
+        ["goodput, restart from the last checkpoint (samples/s)", cell(g["restart"], 0), "", ""],
+        ["continue / restart", cell(ratio), ">= 1.5", meets(ratio["median"], ">= 1.5")],
+        ["detection to recovery (s)", cell(detect), "< 10", meets(detect["median"], "< 10")],
+        ["wall, ULFM launch (tcp) / default (sm), no failure", cell(d["ulfm_over_plain_wall"]),
+         "", ""],
+        ["the same, training loop only", cell(d["ulfm_over_plain_training"]), "", ""],
+        ["test accuracy: continue / started without that datacenter",
+         f"{num(d['test_acc_continue']['median'], 4)} / "
+         f"{num(d['test_acc_without_dc2']['median'], 4)}", "within 0.02",
+         meets(abs(d["test_acc_continue"]["median"] - d["test_acc_without_dc2"]["median"]),
+               "<= 0.02")],
+    ]  # fmt: skip
+    out = table(["figure (median, min-max)", "value", "goal", "met"], rows)
+    out.append("")
+    out.append(
+        f"{d['ranks']} ranks, HFA, {d['steps']} steps; the local server of datacenter 2 is "
+        f"killed at step {d['kill_at']}; {d['repeats']} interleaved repeats. Walls (s): "
+        + ", ".join(f"{k} {num(v['median'], 1)}" for k, v in w.items())
+    )
+    return out
+
+
 def render_generic(d: dict) -> list[str]:
     skip = {"benchmark", "command"}
     rows = [
@@ -376,6 +406,7 @@ RENDERERS = {
     "gpu_check": render_gpu_check,
     "gs_bytes": render_gs_bytes,
     "wan_time_to_accuracy": render_wan_time_to_accuracy,
+    "failure": render_failure,
 }
 TITLES = {
     "throughput": "Training throughput: geompi against torch DDP and HierarchicalModelAverager",
@@ -386,6 +417,7 @@ TITLES = {
     "gs_bytes": "Bytes into the global server per step as datacenters grow",
     "wan_time_to_accuracy": "Time to accuracy under an emulated WAN (100 Mbit/s, 25 ms)",
     "soak": "Soak: MixedSync + DCASGD for a fixed wall time, watching for leaks",
+    "failure": "A datacenter lost mid-run: --on-failure continue against a checkpoint restart",
 }
 
 

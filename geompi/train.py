@@ -287,8 +287,6 @@ class Worker:
         as a global average over the surviving datacenters, from the parameters each had
         before the round (the dead datacenters' updates since their last global average are
         lost). Re-raises ``err`` where it is not a lost rank."""
-        from geompi.comm import faults
-
         while True:
             if not faults.is_failure(err):
                 raise err
@@ -298,16 +296,16 @@ class Worker:
             stop.rejoin(self.group)
             self.engine.rejoin(loss.topo)
             self.client = self.engine.client
-            self.step = self.engine.agree_on_step(self.step)
-            self.failures.append(
-                {"step": self.step + 1, "lost_ranks": loss.lost, "left_dcs": loss.left_dcs,
-                 "topology": loss.topo.describe(), "recovered_at": time.time()}
-            )  # fmt: skip
-            if self.master:
-                say(loss.describe(self.step + 1))
-                if log is not None:
-                    log.write({"event": "failure", **self.failures[-1]})
             try:
+                self.step = self.engine.agree_on_step(self.step)
+                self.failures.append(
+                    {"step": self.step + 1, "lost_ranks": loss.lost, "left_dcs": loss.left_dcs,
+                     "topology": loss.topo.describe(), "recovered_at": time.time()}
+                )  # fmt: skip
+                if self.master:
+                    say(loss.describe(self.step + 1))
+                    if log is not None:
+                        log.write({"event": "failure", **self.failures[-1]})
                 self.engine.average_globally()
                 return
             except Exception as again:  # noqa: BLE001 - lost another rank meanwhile
@@ -500,6 +498,7 @@ def _train(cfg: RunConfig, comm) -> dict | None:
         abort(e)
     # After a recovery (--on-failure continue) the job goes on in the rebuilt communicators
     comm, topo = comms.world, node.topo
+    rank = comm.Get_rank()
     faults.unwatch()
     mine = {"role": role.name, **stats.as_dict()}
     if role is Role.WORKER:

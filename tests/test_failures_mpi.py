@@ -51,15 +51,21 @@ def expected():
 
 
 @pytest.mark.parametrize(
-    "killed,what",
-    [("7", "local server of datacenter 2"), ("5,6", "worker of datacenter 2")],
-    ids=["local_server", "every_worker"],
+    "hook,killed,what",
+    [
+        ("GEOMPI_FAULT_KILL_AT", "7", "local server of datacenter 2"),
+        ("GEOMPI_FAULT_KILL_MID", "7", "local server of datacenter 2"),
+        ("GEOMPI_FAULT_KILL_AT", "5,6", "worker of datacenter 2"),
+    ],
+    ids=["local_server", "local_server_mid_round", "every_worker"],
 )
-def test_hfa_survives_a_lost_datacenter(tmp_path, expected, killed, what):
+def test_hfa_survives_a_lost_datacenter(tmp_path, expected, hook, killed, what):
     """Datacenter 2 is lost at step 4: its local server, or both its workers, SIGKILLed.
-    The job ends with exit 0 on the global model of the other two, which equals the
-    simulation that drops datacenter 2 at that average (1e-5), and says so in one line."""
-    env = {**ULFM_ENV, "GEOMPI_FAULT_KILL_AT": f"{LOST_AT}:{killed}"}
+    ``mid_round``: its local server dies once its first key has reached the global servers,
+    which have then applied that key (an outer Nesterov step) and must undo it. The job ends
+    with exit 0 on the global model of the other two, which equals the simulation that drops
+    datacenter 2 at that average (1e-5), and says so in one line."""
+    env = {**ULFM_ENV, hook: f"{LOST_AT}:{killed}"}
     res = mpirun(10, [prog("hfa_dc_lost.py"), str(tmp_path)], 150, env=env, launcher=ULFM)
     lines = [ln for ln in res.stderr.splitlines() if ln.startswith("geompi: lost")]
     assert len(lines) == 1, res.stderr

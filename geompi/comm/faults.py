@@ -228,6 +228,20 @@ def _skip_finalize() -> None:
     atexit.register(end)
 
 
+def serve(server) -> None:
+    """A local or global server's loop: serve rounds until the workers stop. Under
+    ``--on-failure continue`` a lost rank ends the round under way; the survivors recover and
+    the server goes on in the new topology (``server.rejoin(loss)``)."""
+    while True:
+        try:
+            if not server.serve_round():
+                return
+        except Exception as e:  # noqa: BLE001 - a lost rank, under --on-failure continue
+            if not is_failure(e):
+                raise
+            server.rejoin(recover(server.comms, server.topo))  # a leaving rank exits there
+
+
 def revoke_all(comms: Communicators) -> None:
     """Revoke every communicator of this rank, so every peer's next wait fails too."""
     for c in (comms.world, comms.dc, comms.glob, comms.workers, comms.all_workers):

@@ -121,18 +121,12 @@ class GlobalServer:
         self.presence_numel = first * self.topo.num_global_servers
 
     def run(self) -> None:
-        while True:
-            try:
-                if not self.serve_round():
-                    return
-            except Exception as e:  # noqa: BLE001 - a lost rank, under --on-failure continue
-                if not faults.is_failure(e):
-                    raise
-                self._roll_back()
-                self.rejoin(faults.recover(self.comms, self.topo))
+        faults.serve(self)
 
     def rejoin(self, loss: faults.Loss) -> None:
-        """After a recovery: the same shard, served to the surviving local servers."""
+        """After a recovery: the round a lost rank cut off undone, the same shard served to
+        the surviving local servers."""
+        self._roll_back()
         self.topo = loss.topo
         self.link = Link(self.comms.glob, WAN, self.stats)
         self.world = self.comms.world

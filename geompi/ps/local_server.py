@@ -272,16 +272,12 @@ class LocalServer:
         # --lan-bandwidth: this server's LAN port, shared by all its workers' traffic
         self.lan_port = Duplex(lan_model) if lan_model is not None and lan_model.active else None
         self._kill_at = faults.fault_step("GEOMPI_FAULT_KILL_AT", comms.world.Get_rank())
+        # test hook: lost once its first key of that step's round has gone up (a round the
+        # global servers have begun to apply)
+        self._kill_mid = faults.fault_step("GEOMPI_FAULT_KILL_MID", comms.world.Get_rank())
 
     def run(self) -> None:
-        while True:
-            try:
-                if not self.serve_round():
-                    return
-            except Exception as e:  # noqa: BLE001 - a lost rank, under --on-failure continue
-                if not faults.is_failure(e):
-                    raise
-                self.rejoin(faults.recover(self.comms, self.topo))  # leaving: exits there
+        faults.serve(self)
 
     def rejoin(self, loss: faults.Loss) -> None:
         """After a recovery: serve the same datacenter (renumbered) over the rebuilt
@@ -394,6 +390,10 @@ class LocalServer:
                 total.mul_(weight)
             if i in due:
                 self.uplink.send_key(up_index[i], presence_payload(total) if i == pos else total)
+                if rnd.step == self._kill_mid:
+                    self.uplink.sends.wait()
+                    time.sleep(0.5)  # let the key reach the global servers
+                    faults.kill_self(self.comms.world.Get_rank())
                 if overlapped:  # the workers get the datacenter average now
                     self.bufs.get((rnd.keys[i][0], "dc"), total.numel()).copy_(total).div_(weight)
             else:  # an HFA datacenter average (a non-finite one raised above)
