@@ -311,5 +311,5 @@ def test_surviving_topology_refuses_what_the_job_cannot_lose(lost: set[int]) -> 
     from geompi.comm.faults import LostEssentialRank, surviving_topology
 
     t = Topology.plan(10, dc_sizes=[3, 2, 3], global_servers=2)
-    with pytest.raises(LostEssentialRank, match="--resume latest"):
+    with pytest.raises(LostEssentialRank, match="so .*stops; run it again"):
         surviving_topology(t, lost)
