@@ -441,6 +441,11 @@ ULFM_LAUNCH = {"OMPI_MCA_mpi_ft_enable": "1", "OMPI_MCA_btl": "self,tcp"}
             {"OMPI_MCA_mpi_ft_enable": "1", "OMPI_MCA_btl": "self,sm,tcp"},
             "shared-memory transport",
         ),
+        (
+            ["--on-failure", "continue"],
+            {"OMPI_MCA_mpi_ft_enable": "1"},
+            "shared-memory transport (Open MPI's default transports)",
+        ),
         (["--on-failure", "continue", "--sync", "fsa"], ULFM_LAUNCH, "--sync hfa only so far"),
         (
             ["--on-failure", "continue", "--comm-timeout", "5"],

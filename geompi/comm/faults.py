@@ -12,8 +12,9 @@ operation that needed it. The rule here:
   tolerant: the survivors agree on who is gone), then the topology without the lost ranks is
   planned from the same facts on every rank (:func:`surviving_topology`). A datacenter whose
   local server, or every worker, is lost leaves the job: its remaining ranks end with status 0.
-  After a recovery, processes end without MPI_Finalize (see :func:`_skip_finalize`).
   The others get new communicators for every tier.
+
+After a recovery, processes end without MPI_Finalize (see :func:`_skip_finalize`).
 
 What each role then does with its half-done round is its own: see geompi.train (workers),
 geompi.ps.local_server and geompi.ps.global_server.
@@ -56,14 +57,15 @@ def check_launch(env=os.environ) -> None:
     if not ulfm_launch(env):
         raise ConfigError(
             "--on-failure continue needs MPI fault tolerance: launch with "
-            "mpirun --with-ft ulfm --mca btl tcp,self (make train, or GEOMPI_FT=1 with sbatch)"
+            "mpirun --with-ft ulfm --mca btl tcp,self (make train does)"
         )
-    btl = [b.strip() for b in env.get("OMPI_MCA_btl", "").split(",")]
-    if "sm" in btl or "vader" in btl:
+    given = env.get("OMPI_MCA_btl", "").strip()
+    btl = [b.strip() for b in given.split(",")]
+    if not given or "sm" in btl or "vader" in btl:
+        what = f"OMPI_MCA_btl={given}" if given else "Open MPI's default transports"
         raise ConfigError(
-            f"--on-failure continue with the shared-memory transport (OMPI_MCA_btl="
-            f"{env.get('OMPI_MCA_btl')}): its survivors hang on a lost peer; pass "
-            "--mca btl tcp,self to mpirun"
+            f"--on-failure continue with the shared-memory transport ({what}): its survivors "
+            "hang on a lost peer; pass --mca btl tcp,self to mpirun"
         )
 
 
