@@ -17,11 +17,15 @@ export OMPI_MCA_pml := ob1
 export OMPI_MCA_btl := self,sm,tcp
 export OMPI_MCA_mpi_yield_when_idle := 1
 
-# --on-failure continue (or FT=1): MPI fault tolerance (ULFM) and only transports that survive
-# a lost peer (shared memory does not: its survivors hang).
+# --on-failure continue (or FT=1): MPI fault tolerance (ULFM), only transports that survive a
+# lost peer (shared memory does not: its survivors hang), and Open MPI's heartbeat on a thread,
+# so that a rank that hangs is found lost after FT_TIMEOUT seconds (without the thread, a rank
+# busy computing that long was taken for lost).
 comma := ,
 FT ?= $(if $(or $(findstring --on-failure continue,$(ARGS)),$(findstring --on-failure=continue,$(ARGS))),1)
-FT_FLAGS := $(if $(FT),--with-ft ulfm --mca btl self$(comma)tcp)
+FT_TIMEOUT ?= 10
+FT_FLAGS := $(if $(FT),--with-ft ulfm --mca btl self$(comma)tcp --mca mpi_ft_detector true \
+	--mca mpi_ft_detector_thread true --mca mpi_ft_detector_timeout $(FT_TIMEOUT))
 
 .PHONY: setup train test test-fast lint bench clean
 
