@@ -109,7 +109,6 @@ class Loss:
     left_dcs: list[int]  # datacenters (numbered as before) that left the job
     topo: Topology  # the job after
     before: Topology
-    leaving: bool  # this rank's datacenter left: it exits
 
     def describe(self, step: int | None = None) -> str:
         """The one line a recovery prints (from the new rank 0)."""
@@ -287,7 +286,6 @@ def recover(comms: Communicators, topo: Topology) -> Loss:
     dc = topo.dc_of(me)
     leaving = dc is not None and dc in left
     staying = shrunk.Split(MPI.UNDEFINED if leaving else 0, me)
-    loss = Loss(sorted(lost), left, new_topo, topo, leaving)
     _skip_finalize()
     if leaving:
         raise SystemExit(0)
@@ -296,4 +294,4 @@ def recover(comms: Communicators, topo: Topology) -> Loss:
     comms.workers, comms.all_workers = fresh.workers, fresh.all_workers
     watch(comms.world)
     _last_world = comms.world
-    return loss
+    return Loss(sorted(lost), left, new_topo, topo)
