@@ -388,6 +388,22 @@ def render_failure(d: dict) -> list[str]:
     return out
 
 
+def render_ulfm_exit(d: dict) -> list[str]:
+    rows = [
+        [way, f"{w['hangs']} / {w['launches']}",
+         ", ".join(f"{k}: {v}" for k, v in sorted(w["exit_statuses"].items()))]
+        for way, w in d["ways"].items()
+    ]  # fmt: skip
+    out = table(["how the survivors end", "mpirun hung", "mpirun's exit statuses"], rows)
+    out.append("")
+    out.append(
+        f"{d['ranks']} ranks under mpirun --with-ft ulfm, one SIGKILLed, the others Shrink and "
+        f"end; a launch still running after {num(d['timeout_s'], 0)} s counts as hung. geompi "
+        "ends an unsurvivable loss the one_late_exit_1 way."
+    )
+    return out
+
+
 def render_generic(d: dict) -> list[str]:
     skip = {"benchmark", "command"}
     rows = [
@@ -407,6 +423,7 @@ RENDERERS = {
     "gs_bytes": render_gs_bytes,
     "wan_time_to_accuracy": render_wan_time_to_accuracy,
     "failure": render_failure,
+    "ulfm_exit": render_ulfm_exit,
 }
 TITLES = {
     "throughput": "Training throughput: geompi against torch DDP and HierarchicalModelAverager",
@@ -418,6 +435,7 @@ TITLES = {
     "wan_time_to_accuracy": "Time to accuracy under an emulated WAN (100 Mbit/s, 25 ms)",
     "soak": "Soak: MixedSync + DCASGD for a fixed wall time, watching for leaks",
     "failure": "A datacenter lost mid-run: --on-failure continue against a checkpoint restart",
+    "ulfm_exit": "Ending a job after a lost rank: how often mpirun --with-ft ulfm hangs",
 }
 
 

@@ -26,8 +26,10 @@ import numpy as np
 import torch
 
 from geompi import ckpt
+from geompi.comm import faults
 from geompi.comm.compression import make_compressor
 from geompi.comm.transport import (
+    barrier,
     barrier_before_collective,
     isend_state,
     live_timeout,
@@ -358,6 +360,8 @@ class Checkpointing:
         }
         barrier_before_collective(w.group, w.cfg.comm_timeout, "every worker to hand in its state")
         everyone = w.group.gather(mine, root=0)
+        if faults.watching():  # the master had every part: else every worker saves again
+            barrier(w.group, None, "every worker's state to reach the master")
         self.saved_step = step
         if not w.master:
             return None

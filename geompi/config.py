@@ -275,7 +275,6 @@ class RunConfig:
             )
         refused = [
             ("--comm-timeout", self.comm_timeout is not None, "ULFM detects lost ranks itself"),
-            ("--checkpoint-dir", self.checkpoint_dir is not None, "not supported together yet"),
             ("--wan-compression", self.wan_settings().compression != "none",
              "not supported together yet"),
             ("--hfa-fragments/--hfa-overlap", self.hfa_fragments > 1 or self.hfa_overlap,

@@ -229,7 +229,7 @@ class Worker:
             last = mixed and self.step == self.total_steps
             if self.checkpoints and cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
                 if not last:
-                    self._save(log)
+                    self._save_surviving(log, stop)
                     saved_at = self.step
             if rewind and self.engine.global_syncs != syncs:  # a global average, this step
                 rewind.record()
@@ -249,7 +249,7 @@ class Worker:
             self.engine.average_globally()  # every worker: the global model, to checkpoint
         nothing_new = preempted and self.step == start_step and stopped_at != self.step
         if self.checkpoints and saved_at != self.step and not mixed and not nothing_new:
-            self._save(log)
+            self._save_surviving(log, stop)
         if not mixed and cfg.wan_settings().compression != "none":
             self.ckpt.global_model()  # the model returned is the global one, not a replica
         while True:
@@ -281,12 +281,14 @@ class Worker:
             out.update(test_acc=acc, test_loss=tl)
         return out
 
-    def _survive(self, err: BaseException, stop: StopRequest, log: MetricsLog | None) -> None:
+    def _survive(
+        self, err: BaseException, stop: StopRequest, log: MetricsLog | None, redo: bool = True
+    ) -> None:
         """``--on-failure continue``: a rank was lost during this step's round. Every survivor
-        recovers (geompi.comm.faults), then the workers agree on the step and redo the round
-        as a global average over the surviving datacenters, from the parameters each had
-        before the round (the dead datacenters' updates since their last global average are
-        lost). Re-raises ``err`` where it is not a lost rank."""
+        recovers (geompi.comm.faults), then the workers agree on the step and (``redo``) redo
+        the round as a global average over the surviving datacenters, from the parameters each
+        had before the round (the dead datacenters' updates since their last global average
+        are lost). Re-raises ``err`` where it is not a lost rank."""
         while True:
             if not faults.is_failure(err):
                 raise err
@@ -298,15 +300,17 @@ class Worker:
             self.client = self.engine.client
             try:
                 self.step = self.engine.agree_on_step(self.step)
+                at = self.step + 1 if redo else self.step  # the step trained, or just saved
                 self.failures.append(
-                    {"step": self.step + 1, "lost_ranks": loss.lost, "left_dcs": loss.left_dcs,
+                    {"step": at, "lost_ranks": loss.lost, "left_dcs": loss.left_dcs,
                      "topology": loss.topo.describe(), "recovered_at": time.time()}
                 )  # fmt: skip
                 if self.master:
-                    say(loss.describe(self.step + 1))
+                    say(loss.describe(at))
                     if log is not None:
                         log.write({"event": "failure", **self.failures[-1]})
-                self.engine.average_globally()
+                if redo:
+                    self.engine.average_globally()
                 return
             except Exception as again:  # noqa: BLE001 - lost another rank meanwhile
                 err = again
@@ -331,6 +335,17 @@ class Worker:
         if self.algo.independent_dcs and self.cfg.checkpoint_dir:
             self.ckpt.record_starts()
         self.engine.begin(extra, send_restore=send)
+
+    def _save_surviving(self, log: MetricsLog | None, stop: StopRequest) -> None:
+        """``_save``; where a rank is lost during it (``--on-failure continue``), the survivors
+        recover and write it again, in the surviving topology. The round it cut off changed
+        no model (a SAVE round), so nothing is redone."""
+        while True:
+            try:
+                self._save(log)
+                return
+            except Exception as e:  # noqa: BLE001 - a lost rank, under --on-failure continue
+                self._survive(e, stop, log, redo=False)
 
     def _save(self, log: MetricsLog | None, final: bool = False) -> None:
         from geompi.data import evaluate
@@ -460,7 +475,8 @@ def _train(cfg: RunConfig, comm) -> dict | None:
     check_node_gpus(cfg.dc_map, topo, comm)  # --dc-map nodes: one warning if workers != GPUs
     heartbeat.start(comm, cfg.comm_timeout)  # so the watchdog can tell idle from lost
     if cfg.on_failure == "continue":  # waits raise PeerLost instead of failing (ULFM)
-        faults.watch(comm)
+        again = f"run it again with --resume latest (from {cfg.checkpoint_dir})"
+        faults.watch(comm, again if cfg.checkpoint_dir else "run it again")
     rank = comm.Get_rank()
     role = topo.role(rank)
     node = log = err = None

@@ -453,9 +453,9 @@ ULFM_LAUNCH = {"OMPI_MCA_mpi_ft_enable": "1", "OMPI_MCA_btl": "self,tcp"}
             "--comm-timeout: ULFM detects lost ranks itself",
         ),
         (
-            ["--on-failure", "continue", "--checkpoint-dir", "ck"],
+            ["--on-failure", "continue", "--wan-compression", "int8"],
             ULFM_LAUNCH,
-            "drop --checkpoint-dir",
+            "drop --wan-compression",
         ),
         (["--on-failure", "continue", "--hfa-fragments", "2"], ULFM_LAUNCH, "drop --hfa-frag"),
     ],
@@ -471,6 +471,15 @@ def test_on_failure_continue_needs_hfa_and_a_ulfm_launch(
     sync = [] if "--sync" in argv else ["--sync", "hfa"]
     with pytest.raises(ConfigError, match=re.escape(says)):
         cfg(*argv, *sync).validate()
+
+
+def test_on_failure_continue_takes_checkpoints(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Checkpoints go on through a recovery (written in the surviving topology)."""
+    for var, value in ULFM_LAUNCH.items():
+        monkeypatch.setenv(var, value)
+    c = cfg("--on-failure", "continue", "--sync", "hfa", "--checkpoint-dir", "ck")
+    c.validate()
+    assert c.on_failure == "continue" and c.checkpoint_dir == "ck"
 
 
 def test_on_failure_continue_under_ulfm_is_accepted(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -72,15 +72,22 @@ def check_launch(env=os.environ) -> None:
 _world = None
 
 
-def watch(world) -> None:
-    """From now on, waits raise PeerLost on failures, and watch ``world`` for a revocation."""
-    global _world
+# How to go on after a loss the job cannot survive (with checkpoints: resume the last one)
+_restart = "run it again"
+
+
+def watch(world, restart: str | None = None) -> None:
+    """From now on, waits raise PeerLost on failures, and watch ``world`` for a revocation.
+    ``restart``: what the line of a loss the job cannot survive tells the user to do."""
+    global _world, _restart
     _world = world
+    if restart is not None:
+        _restart = restart
 
 
 def unwatch() -> None:
-    global _world
-    _world = None
+    global _world, _restart
+    _world, _restart = None, "run it again"
 
 
 def watching() -> bool:
@@ -149,7 +156,7 @@ def surviving_topology(topo: Topology, lost: set[int]) -> tuple[Topology, list[i
     if gone_gs:
         raise LostEssentialRank(
             f"global server rank(s) {', '.join(map(str, gone_gs))} lost: their shard of the "
-            "global model and its optimizer state are gone, so the job stops; run it again"
+            f"global model and its optimizer state are gone, so the job stops; {_restart}"
         )
     sizes, left = [], []
     for d in range(topo.num_dcs):
@@ -161,8 +168,8 @@ def surviving_topology(topo: Topology, lost: set[int]) -> tuple[Topology, list[i
     if 0 in left or 0 in lost:
         raise LostEssentialRank(
             "datacenter 0 lost its local server, its workers or rank 0, the master worker "
-            "(metrics, evaluation, the summary): the job cannot go on without it, so it stops; "
-            "run it again"
+            f"(metrics, evaluation, the summary): the job cannot go on without it, so it stops; "
+            f"{_restart}"
         )
     g = topo.num_global_servers
     return Topology(sum(sizes) + g, tuple(sizes), g), left
@@ -212,23 +219,52 @@ def _skip_finalize() -> None:
     _finalize_skipped = True
 
     def end() -> None:
-        comm = _last_world
-        if comm is not None:
-            try:
-                req, until = comm.Ibarrier(), time.monotonic() + _GOODBYE_S
-                while not req.Test() and time.monotonic() < until:
-                    time.sleep(1e-3)
-                until = time.monotonic() + _FLUSH_S
-                while time.monotonic() < until:
-                    comm.Iprobe()
-                    time.sleep(1e-3)
-            except Exception:  # noqa: BLE001 - lost another rank at the very end: exit anyway
-                pass
+        if _last_world is not None:
+            _goodbye(_last_world)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
 
     atexit.register(end)
+
+
+def _goodbye(comm) -> None:
+    """Meet every rank of ``comm`` in a last barrier (at most _GOODBYE_S), then drive MPI
+    progress for _FLUSH_S, so that no rank ends while a peer still waits on it or a message of
+    its own is still queued."""
+    try:
+        req, until = comm.Ibarrier(), time.monotonic() + _GOODBYE_S
+        while not req.Test() and time.monotonic() < until:
+            time.sleep(1e-3)
+        until = time.monotonic() + _FLUSH_S
+        while time.monotonic() < until:
+            comm.Iprobe()
+            time.sleep(1e-3)
+    except Exception:  # noqa: BLE001 - lost another rank at the very end: exit anyway
+        pass
+
+
+_LAST_EXIT_S = 1.0  # how long the one rank that exits 1 lets the others end first
+
+
+def _stop_the_job(shrunk, err: LostEssentialRank) -> None:
+    """End every survivor of a loss the job cannot go on without: rank 0 of ``shrunk`` prints
+    the one line, all meet (_goodbye), the others end with status 0 and then rank 0 with 1,
+    which mpirun reports. Not MPI_Abort, and not every rank with status 1: with a lost rank,
+    mpirun --with-ft ulfm (Open MPI 5.0.11) then hung in 8 launches of 40 here, and in none of
+    40 with one late exit 1 (bench/ulfm_exit.py)."""
+    first = shrunk.Get_rank() == 0
+    if first:
+        from geompi.runtime import PREFIX, say
+
+        say(PREFIX + str(err))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    _goodbye(shrunk)
+    if not first:
+        os._exit(0)
+    time.sleep(_LAST_EXIT_S)
+    os._exit(1)
 
 
 def serve(server) -> None:
@@ -273,15 +309,8 @@ def recover(comms: Communicators, topo: Topology) -> Loss:
         raise GeompiError("an MPI operation failed, but no rank was lost")
     try:
         new_topo, left = surviving_topology(topo, lost)
-    except LostEssentialRank as e:  # identical on every survivor: the first says it
-        # Every survivor ends with status 1, which mpirun --with-ft ulfm reports; not
-        # MPI_Abort, which hung the launcher in 1 run of 3 here once a rank was lost.
-        if shrunk.Get_rank() == 0:
-            from geompi.runtime import PREFIX, say
-
-            say(PREFIX + str(e))
-        sys.stdout.flush()
-        os._exit(1)
+    except LostEssentialRank as e:  # identical on every survivor
+        _stop_the_job(shrunk, e)
     me = old.Get_rank()
     dc = topo.dc_of(me)
     leaving = dc is not None and dc in left

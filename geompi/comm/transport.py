@@ -266,9 +266,12 @@ def worker_timeout(comm_timeout: float | None) -> float | None:
 def barrier_before_collective(comm, comm_timeout: float | None, what: str) -> None:
     """With ``--comm-timeout``, a watched barrier before an object collective (which cannot be
     waited on with a timeout): a rank lost before it is caught, a busy one is not (heartbeat
-    only). Nothing without ``--comm-timeout``, which is the same on every rank."""
+    only). Under ``--on-failure continue`` a barrier that raises PeerLost on a loss. Nothing
+    otherwise; both settings are the same on every rank."""
     if comm_timeout:
         barrier(comm, live_timeout(worker_timeout(comm_timeout)), what)
+    elif faults.watching():
+        barrier(comm, None, what)
 
 
 class Watchdog:

@@ -275,6 +275,8 @@ class LocalServer:
         # test hook: lost once its first key of that step's round has gone up (a round the
         # global servers have begun to apply)
         self._kill_mid = faults.fault_step("GEOMPI_FAULT_KILL_MID", comms.world.Get_rank())
+        # test hook: lost as that step's checkpoint (SAVE) round reaches it
+        self._kill_save = faults.fault_step("GEOMPI_FAULT_KILL_SAVE", comms.world.Get_rank())
 
     def run(self) -> None:
         faults.serve(self)
@@ -300,8 +302,8 @@ class LocalServer:
                 time.sleep(2e-4)
         reqs.wait()
         rnd, weight, with_spec = agree(headers[1:], self.workers, f"datacenter {self.dc}")
-        if rnd.step == self._kill_at:  # test hook: this local server is lost now
-            faults.kill_self(self.comms.world.Get_rank())
+        if rnd.step == self._kill_at or rnd.op is Op.SAVE and rnd.step == self._kill_save:
+            faults.kill_self(self.comms.world.Get_rank())  # test hooks: lost now
         spec = None
         if with_spec:
             dc_rank = 1 + self.workers.index(with_spec[0])

@@ -178,6 +178,7 @@ def hfa_reference(
     outer_nesterov_lr: float | None = None,
     final_global: bool = False,
     lost: tuple[list[int], int] | None = None,
+    left_after: tuple[list[int], int] | None = None,
 ) -> list[dict[str, torch.Tensor]]:
     """An independent simulation of HFA: one model and optimizer per worker, datacenter
     averages every K1 steps, every K2-th one over all workers. Weights: samples, or
@@ -188,7 +189,9 @@ def hfa_reference(
     weighted by the samples since the last average, or if there were none by its weights.
     ``lost`` = (workers, step): those workers (or their datacenter) are lost during the average
     at ``step`` (a multiple of K1), which becomes global over the other workers; they train no
-    more, and the count towards K2 starts again (--on-failure continue, as the README says)."""
+    more, and the count towards K2 starts again (--on-failure continue, as the README says).
+    ``left_after`` = (workers, step): lost after the average at ``step`` (during the checkpoint
+    that follows it): they take part in it, then train no more; the cadence goes on."""
     workers = sum(dc_sizes)
     dcs = [list(range(sum(dc_sizes[:d]), sum(dc_sizes[: d + 1]))) for d in range(len(dc_sizes))]
     dc_of = {w: d for d, members in enumerate(dcs) for w in members}
@@ -241,6 +244,8 @@ def hfa_reference(
                     for p in ps:
                         p.copy_(avg)
         last, samples = samples, fresh()
+        if left_after is not None and t + 1 == left_after[1]:
+            alive = [w for w in alive if w not in left_after[0]]
     return [{k: v.detach().clone() for k, v in m.state_dict().items()} for m in models]
 
 

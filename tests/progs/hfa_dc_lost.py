@@ -1,6 +1,8 @@
 """HFA through the CLI's train() under --on-failure continue (launched with ULFM): uneven
 datacenters of 2, 1 and 2 workers, 2 global servers, momentum 0.9 and an outer Nesterov step.
-The test kills ranks with GEOMPI_FAULT_KILL_AT; rank 0 saves the final model and summary."""
+The test kills ranks with GEOMPI_FAULT_KILL_AT; rank 0 saves the final model and summary.
+
+    hfa_dc_lost.py OUT [STEPS [CHECKPOINT_DIR [resume]]]   # checkpoints every 4 steps"""
 
 import json
 import sys
@@ -31,6 +33,9 @@ cfg = make_config(
     bucket_mb=0.03,
     on_failure="continue",
     metrics=f"{out}/metrics.jsonl",
+    checkpoint_dir=sys.argv[3] if len(sys.argv) > 3 else None,
+    checkpoint_every=4 if len(sys.argv) > 3 else 0,
+    resume="latest" if sys.argv[4:] == ["resume"] else None,
 )
 s = train(cfg)
 if s is not None:
