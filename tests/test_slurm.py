@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+import h5py
 import pytest
 
 try:
@@ -136,6 +137,30 @@ def test_default_checkpoint_dir_is_per_job(tmp_path):
     first, second, requeued = ckpt_dir("101"), ckpt_dir("102"), ckpt_dir("101")
     assert first != second and first == requeued
     assert first == str(tmp_path / "checkpoints" / "fsa-101")
+
+
+@pytest.mark.parametrize(
+    "setting,says",
+    [
+        ({"GEOMPI_FT": "1"}, "--with-ft ulfm --mca btl self,tcp --mca pml ob1"),
+        ({"GEOMPI_FT": "yes"}, "error: GEOMPI_FT must be 0 or 1 (got 'yes')"),
+        ({"GEOMPI_FT": "1", "GEOMPI_LAUNCHER": "srun"}, "error: GEOMPI_FT=1 launches with"),
+        ({"GEOMPI_FT": "1", "GEOMPI_FT_TIMEOUT": "soon"}, "error: GEOMPI_FT_TIMEOUT must be"),
+    ],
+    ids=["launch", "not_0_or_1", "srun", "timeout"],
+)
+def test_fault_tolerance_setting(tmp_path, setting, says):
+    """GEOMPI_FT=1 launches mpirun under ULFM with the fault-tolerant transports; a bad value,
+    or srun (which ends the step when a rank dies), is refused in one line with exit 2."""
+    env = {**os.environ, "SLURM_SUBMIT_DIR": str(tmp_path), "GEOMPI_PYTHON": PYTHON, **setting}
+    env.pop("SLURM_JOB_ID", None)
+    script = f'source "{JOBS}/common.sh"; geompi_setup >/dev/null; echo "${{GEOMPI_LAUNCH[*]}}"'
+    r = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True)
+    if "error" in says:
+        assert r.returncode == 2 and says in r.stderr, r.stderr
+    else:
+        assert r.returncode == 0 and says in r.stdout, r.stderr
+        assert "mpi_ft_detector_timeout 10" in r.stdout
 
 
 # ---------------------------------------------------------------------------- smoke jobs
@@ -367,6 +392,37 @@ def test_training_job_preempted_and_requeued(slurm, tmp_path):
     assert done and done[-1] > resumed[-1] and "test_acc=" in lines[done[-1]], text
     assert f"steps={stopped_at + 24}" in lines[done[-1]], text
     _verify_checkpoint(_newest_checkpoint(tmp_path / "ckpt"))
+
+
+@needs_train
+def test_fault_tolerant_hfa_job_survives_a_lost_datacenter(slurm, tmp_path):
+    """GEOMPI_FT=1: hfa.sbatch launches mpirun --with-ft ulfm and --on-failure continue.
+    Datacenter 2's local server (rank 6 of datacenters 3, 2, 2 + a global server) is SIGKILLed
+    at step 16, a global average: the job completes with exit 0, the other two train to the end
+    and checkpoint in their topology."""
+    settings = tmp_path / "settings.env"  # sbatch --export cannot carry the commas
+    settings.write_text(f'GEOMPI_EXTRA_ARGS="{SMALL_TRAIN} --dc-map blocks --dc-sizes 3,2,2"\n')
+    env = _train_env(
+        tmp_path,
+        GEOMPI_FT="1",
+        GEOMPI_CKPT_EVERY="8",
+        GEOMPI_FAULT_KILL_AT="16:6",
+        GEOMPI_SETTINGS=str(settings),
+    )
+    del env["GEOMPI_EXTRA_ARGS"]
+    job_id, out = _submit(slurm, JOBS / "hfa.sbatch", tmp_path, env)
+    res = slurm.wait_job(job_id, timeout=JOB_TIMEOUT)
+    text = _assert_ok(res, out)
+    assert "--with-ft ulfm" in text and "--on-failure continue" in text, text
+    (lost,) = [line for line in text.splitlines() if line.startswith("geompi: lost")]
+    assert "6 (local server of datacenter 2) at step 16" in lost, lost
+    summary = _summary(tmp_path / "metrics.jsonl")
+    assert summary["steps"] == 40 and summary["failures"][0]["left_dcs"] == [2]
+    newest = _newest_checkpoint(tmp_path / "ckpt")
+    assert newest.name == "ckpt-00000040.h5"
+    _verify_checkpoint(newest)
+    with h5py.File(newest) as f:
+        assert json.loads(f.attrs["topology"])["dc_sizes"] == [3, 2]
 
 
 def _summary(metrics: Path) -> dict:

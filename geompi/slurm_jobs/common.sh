@@ -130,8 +130,30 @@ geompi_setup() {
         export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
     fi
 
+    # GEOMPI_FT=1: keep training when a datacenter or a worker is lost (--on-failure continue,
+    # HFA): mpirun under MPI fault tolerance (ULFM), TCP also inside a node (shared memory does
+    # not survive a lost rank), Open MPI's heartbeat on its own thread (GEOMPI_FT_TIMEOUT s).
+    GEOMPI_FT=${GEOMPI_FT:-0}
+    GEOMPI_FT_TIMEOUT=${GEOMPI_FT_TIMEOUT:-10}
+    [[ $GEOMPI_FT_TIMEOUT =~ ^[0-9]+([.][0-9]+)?$ ]] \
+        || geompi_die "GEOMPI_FT_TIMEOUT must be a number of seconds (got '$GEOMPI_FT_TIMEOUT')"
+    case $GEOMPI_FT in
+        0) ;;
+        1)
+            [[ $GEOMPI_MPI == openmpi ]] || geompi_die "GEOMPI_FT=1 needs Open MPI's mpirun" \
+                "--with-ft ulfm; $GEOMPI_PY's MPI is ${GEOMPI_MPI:-unknown}"
+            [[ ${GEOMPI_LAUNCHER:-auto} != srun ]] || geompi_die "GEOMPI_FT=1 launches with" \
+                "mpirun --with-ft ulfm (srun ends the step when a rank dies): unset GEOMPI_LAUNCHER"
+            export OMPI_MCA_btl=self,tcp OMPI_MCA_pml=ob1
+            ;;
+        *) geompi_die "GEOMPI_FT must be 0 or 1 (got '$GEOMPI_FT')" ;;
+    esac
+
     # Launcher: srun with the PMI flavour of this MPI when Slurm has it, else mpirun.
     local want=${GEOMPI_LAUNCHER:-auto} plugin="" mpis=""
+    if [[ $GEOMPI_FT == 1 ]]; then
+        want=mpirun
+    fi
     case $GEOMPI_MPI in
         openmpi) plugin=pmix ;;
         mpich) plugin=pmi2 ;;
@@ -186,11 +208,17 @@ geompi_setup() {
             # more ranks than the node has cores ("more cpus than are available").
             GEOMPI_LAUNCH+=(--bind-to none)
         fi
+        if [[ $GEOMPI_FT == 1 ]]; then
+            GEOMPI_LAUNCH+=(--with-ft ulfm --mca btl self,tcp --mca pml ob1
+                --mca mpi_ft_detector true --mca mpi_ft_detector_thread true
+                --mca mpi_ft_detector_timeout "$GEOMPI_FT_TIMEOUT")
+        fi
     fi
     geompi_log "job ${SLURM_JOB_ID:-?} (${GEOMPI_JOB_NAME}) restart ${SLURM_RESTART_COUNT:-0}" \
         "on ${SLURM_JOB_NODELIST:-$(hostname -s)}: $GEOMPI_NTASKS ranks via $want," \
         "python $GEOMPI_PY${GEOMPI_MPI:+ ($GEOMPI_MPI)}," \
-        "MPI settings: $([[ $GEOMPI_LOCAL_MPI_USED == 1 ]] && echo single-machine || echo site)"
+        "MPI settings: $([[ $GEOMPI_LOCAL_MPI_USED == 1 ]] && echo single-machine || echo site)" \
+        "$([[ $GEOMPI_FT == 1 ]] && echo "+ fault tolerance (ULFM, tcp)")"
     geompi_log "common.sh: ${BASH_SOURCE[0]}"
 }
 
@@ -249,6 +277,9 @@ geompi_train() {
         --metrics "$GEOMPI_METRICS"
         --dc-map nodes
     )
+    if [[ $GEOMPI_FT == 1 ]]; then
+        args+=(--on-failure continue)
+    fi
     if [[ -n ${GEOMPI_STEPS:-} ]]; then
         args+=(--steps "$GEOMPI_STEPS")
     fi
