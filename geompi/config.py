@@ -140,7 +140,7 @@ class RunConfig:
         return json.dumps(d, sort_keys=True)
 
     # ---- validation -----------------------------------------------------------------------
-    def validate(self) -> RunConfig:
+    def validate(self, algorithm_later: bool = False) -> RunConfig:
         """Check every setting that does not need the world or the data; returns self."""
         from geompi.data import DATASETS
         from geompi.models import MODELS, TEST_MODELS
@@ -212,7 +212,7 @@ class RunConfig:
             )
         if self.on_nonfinite not in ON_NONFINITE:
             raise ConfigError(f"unknown --on-nonfinite {self.on_nonfinite!r}: choose abort or skip")
-        self._check_on_failure()
+        self._check_on_failure(algorithm_later)
         if self.lan_reduce not in LAN_REDUCE:
             src = self.sources.get("lan_reduce", "--lan-reduce")
             raise ConfigError(
@@ -257,9 +257,10 @@ class RunConfig:
         self.wan_settings()
         return self
 
-    def _check_on_failure(self) -> None:
-        """``--on-failure continue``: so far HFA through the CLI, under a ULFM launch, without
-        the settings whose state a recovery does not rebuild yet."""
+    def _check_on_failure(self, algorithm_later: bool) -> None:
+        """``--on-failure continue``: so far HFA, under a ULFM launch, without the settings
+        whose state a recovery does not rebuild yet. ``algorithm_later`` (geompi.init): the
+        algorithm is checked when DistributedOptimizer names it (``check_survivable``)."""
         from geompi.comm.faults import ON_FAILURE, check_launch
 
         if self.on_failure not in ON_FAILURE:
@@ -268,7 +269,7 @@ class RunConfig:
             )
         if self.on_failure != "continue":
             return
-        if self.sync != "hfa":
+        if self.sync != "hfa" and not algorithm_later:
             raise ConfigError(
                 f"--on-failure continue is supported with --sync hfa only so far, not "
                 f"--sync {self.sync}: use --sync hfa, or --on-failure abort with checkpoints"

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from geompi.comm import faults
 from geompi.comm.buckets import Buckets
 from geompi.comm.buffers import all_finite
 from geompi.comm.topology import node_share
@@ -142,6 +143,13 @@ def _validate(optimizer, model, sync, s, bucket_mb, max_grad_norm, passes, wan) 
             "use geompi.FSA(optimizer='servers'), 'hfa' or 'mixed' with compression, or drop "
             "wan_compression"
         )
+    if s.cfg.on_failure == "continue":
+        algo.check_survivable()
+        if compression != "none":
+            raise ConfigError(
+                "on_failure='continue' with wan_compression: not supported together yet; drop "
+                "wan_compression"
+            )
     if algo.independent_dcs and max_grad_norm is not None:
         raise ConfigError(
             f"max_grad_norm with {algo.name} is not supported: each deposit is one datacenter's "
@@ -183,7 +191,9 @@ class _Distributed:
 
     def step(self, closure: Callable[[], float] | None = None):  # type: ignore[override]
         """One training step of the chosen algorithm (the same call on every worker)."""
-        return self._geompi.step(closure, super().step)  # type: ignore[misc]
+        engine = self._geompi
+        engine.client.step = engine.steps  # HFA's rounds say which step they average
+        return engine.step(closure, super().step)  # type: ignore[misc]
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -213,6 +223,12 @@ class _Distributed:
     def global_syncs(self) -> int:
         """How many times the global tier has synchronized so far."""
         return self._geompi.global_syncs
+
+    @property
+    def failures(self) -> list[dict]:
+        """Every lost rank this job went on without (``on_failure="continue"``): the step,
+        the lost ranks, the datacenters that left, the new topology, when it recovered."""
+        return self._geompi.failures
 
     def close(self) -> dict | None:
         """End this optimizer's job (MixedSync receives the final global model); the servers
@@ -374,6 +390,10 @@ class Synchronizer:
         self.closed = False
         self.average_due = False  # HFA: K1 steps done, the datacenter average not yet
         self.pushed_weight: float | None = None  # HFA: an average's weight, while under way
+        self.failures: list[dict] = []  # on_failure="continue": every loss survived
+        # whether step() recovers from a lost rank itself (the public API), or leaves it to
+        # its caller (the CLI's loop, which rebuilds its own state too)
+        self.recovers = True
         model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
         self.hooked = {id(p) for p in self.params if p.requires_grad}
         for p in self.params:
@@ -732,7 +752,12 @@ class Synchronizer:
             torch.nn.utils.clip_grad_norm_(self._with_grad(), self.max_grad_norm)
         out = local_step()
         if self.average_due:
-            self._average_now()
+            try:
+                self._average_now()
+            except Exception as e:  # noqa: BLE001 - a lost rank, under on_failure="continue"
+                if not self.recovers:
+                    raise
+                self.survive(e, self.steps - 1)  # the steps before this one, as the CLI counts
         return out
 
     def force_global_average(self) -> None:
@@ -812,7 +837,7 @@ class Synchronizer:
         local server over the rebuilt communicators; an average cut off mid-way leaves this
         worker's parameters as it pushed them (a part of the results may have landed)."""
         s = self.s
-        s.topo = topo
+        s.topo, s.rank = topo, s.comms.world.Get_rank()
         round_id, step = self.client.round_id, self.client.step
         self.client = PSClient(Link(s.comms.dc, LAN, self.stats), self.client.timeout)
         self.client.round_id, self.client.step = round_id, step
@@ -825,6 +850,37 @@ class Synchronizer:
                 self._unpack_buffers(self.aux_send, 1.0 / self.pushed_weight)
             self.pushed_weight = None
         self.closed = False  # close() may have been cut off too: it runs again
+
+    def survive(self, err: BaseException, step: int, redo: bool = True, rejoined=None) -> int:
+        """``on_failure="continue"``: a rank was lost during this worker's round (``err``).
+        Every survivor recovers (geompi.comm.faults), the workers agree on the step (the
+        caller's count, returned agreed), rank 0 says what was lost, and (``redo``) the round
+        cut off becomes a global average over the surviving datacenters, from the parameters
+        each worker had before it. ``rejoined(loss)``: the caller's own rebuilding, before the
+        agreement. Re-raises ``err`` where it is not a lost rank."""
+        while True:
+            if not faults.is_failure(err):
+                raise err
+            loss = faults.recover(self.s.comms, self.s.topo)  # a leaving rank exits in there
+            self.rejoin(loss.topo)
+            if rejoined is not None:
+                rejoined(loss)
+            try:
+                step = self.agree_on_step(step)
+                at = step + 1 if redo else step  # the step trained, or the one just saved
+                self.failures.append(
+                    {"step": at, "lost_ranks": loss.lost, "left_dcs": loss.left_dcs,
+                     "topology": loss.topo.describe(), "recovered_at": time.time()}
+                )  # fmt: skip
+                if self.master:
+                    from geompi.runtime import say
+
+                    say(loss.describe(at))
+                if redo:
+                    self.average_globally()
+                return step
+            except Exception as again:  # noqa: BLE001 - lost another rank meanwhile
+                err = again
 
     def agree_on_step(self, step: int) -> int:
         """Collective over every worker after a recovery: the latest step any of them reached

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from geompi.comm import heartbeat
+from geompi.comm import faults, heartbeat
 from geompi.comm.topology import Communicators, Role, Topology
 from geompi.comm.transport import LinkStats
 from geompi.config import RunConfig, make_config
@@ -35,6 +35,7 @@ INIT_SETTINGS = (
     "on_nonfinite",
     "max_staleness",
     "lan_reduce",
+    "on_failure",
 )
 
 
@@ -113,7 +114,7 @@ def init(comm=None, **settings) -> Session:
                 f"geompi.init() got unknown setting(s) {', '.join(unknown)}: "
                 f"choose from {', '.join(INIT_SETTINGS)}"
             )
-        cfg = make_config(**settings).validate()
+        cfg = make_config(**settings).validate(algorithm_later=True)
         cfg.wan_settings()  # GEOMPI_WAN_* variables: checked before any collective call
         return plan_topology(cfg, c)
 
@@ -123,6 +124,8 @@ def init(comm=None, **settings) -> Session:
     except GeompiError as e:  # pragma: no cover - start_job reports and exits itself
         exit_together(e, 0)
     heartbeat.start(comm, cfg.comm_timeout)  # so the watchdog can tell idle from lost
+    if cfg.on_failure == "continue":  # waits raise PeerLost instead of failing (ULFM)
+        faults.watch(comm)
     rank = comm.Get_rank()
     _session = Session(cfg, topo, comms, stats, rank)
     if topo.role(rank) is Role.WORKER:
@@ -159,6 +162,7 @@ def _serve(s: Session) -> None:
             server.run()
         except Exception as e:  # noqa: BLE001 - one line, then every rank stops
             abort(e)
+        s.topo, s.rank = server.topo, s.comms.world.Get_rank()  # after a recovery: the new ones
         gather_report(s, {"role": s.role.name, **stats.as_dict(), **server.report()})
 
 

@@ -102,7 +102,6 @@ class Worker:
         apart = algo.independent_dcs
         self.group = comms.workers if apart else comms.all_workers
         self.checkpoints = cfg.checkpoint_dir is not None and (not apart or self.dc == 0)
-        self.failures: list[dict] = []  # every lost-rank recovery (--on-failure continue)
         self._prepare_checkpoints()
 
     def _prepare_checkpoints(self) -> None:
@@ -150,6 +149,7 @@ class Worker:
             stats=self.stats,
             follow_hyperparameters=False,
         )
+        engine.recovers = False  # the loop does, in _survive
         return opt, engine
 
     # ---- the loop -------------------------------------------------------------------------
@@ -272,8 +272,8 @@ class Worker:
             "global_syncs": self.engine.global_syncs,
             "signal": stop.signal_name,
         }
-        if self.failures:
-            out["failures"] = self.failures
+        if self.engine.failures:
+            out["failures"] = self.engine.failures
         if self.engine.cadence is not None:  # --adaptive-sync: the K2 it ended with
             out.update(k2=self.engine.cadence.k2, k2_changes=len(self.engine.cadence.changes))
         if self.master:
@@ -284,36 +284,21 @@ class Worker:
     def _survive(
         self, err: BaseException, stop: StopRequest, log: MetricsLog | None, redo: bool = True
     ) -> None:
-        """``--on-failure continue``: a rank was lost during this step's round. Every survivor
-        recovers (geompi.comm.faults), then the workers agree on the step and (``redo``) redo
-        the round as a global average over the surviving datacenters, from the parameters each
-        had before the round (the dead datacenters' updates since their last global average
-        are lost). Re-raises ``err`` where it is not a lost rank."""
-        while True:
-            if not faults.is_failure(err):
-                raise err
-            loss = faults.recover(self.comms, self.topo)  # a leaving rank exits in there
+        """``--on-failure continue``: a rank was lost during this step's round (or, without
+        ``redo``, its checkpoint); see Synchronizer.survive. Re-raises ``err`` where it is not
+        a lost rank."""
+
+        def rejoined(loss) -> None:
             self.topo = loss.topo
             self.group = self.comms.all_workers
             stop.rejoin(self.group)
-            self.engine.rejoin(loss.topo)
             self.client = self.engine.client
-            try:
-                self.step = self.engine.agree_on_step(self.step)
-                at = self.step + 1 if redo else self.step  # the step trained, or just saved
-                self.failures.append(
-                    {"step": at, "lost_ranks": loss.lost, "left_dcs": loss.left_dcs,
-                     "topology": loss.topo.describe(), "recovered_at": time.time()}
-                )  # fmt: skip
-                if self.master:
-                    say(loss.describe(at))
-                    if log is not None:
-                        log.write({"event": "failure", **self.failures[-1]})
-                if redo:
-                    self.engine.average_globally()
-                return
-            except Exception as again:  # noqa: BLE001 - lost another rank meanwhile
-                err = again
+
+        seen = len(self.engine.failures)
+        self.step = self.engine.survive(err, self.step, redo, rejoined)
+        for failure in self.engine.failures[seen:]:
+            if log is not None:
+                log.write({"event": "failure", **failure})
 
     def _resume(self) -> None:
         """Restore the checkpoint (if any) everywhere, then the INIT round starts the servers."""

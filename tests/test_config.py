@@ -486,3 +486,24 @@ def test_on_failure_continue_under_ulfm_is_accepted(monkeypatch: pytest.MonkeyPa
     for var, value in ULFM_LAUNCH.items():
         monkeypatch.setenv(var, value)
     assert cfg("--on-failure", "continue", "--sync", "hfa").validate().on_failure == "continue"
+
+
+def test_on_failure_continue_through_init_checks_the_algorithm_later(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """geompi.init(on_failure="continue") names no algorithm: DistributedOptimizer checks it
+    (Algorithm.check_survivable), refusing all but plain HFA in one line."""
+    import geompi
+
+    for var, value in ULFM_LAUNCH.items():
+        monkeypatch.setenv(var, value)
+    make_config(env={}, on_failure="continue").validate(algorithm_later=True)
+    with pytest.raises(ConfigError, match="--sync hfa only so far"):
+        make_config(env={}, on_failure="continue").validate()
+    geompi.HFA(k1=2, k2=2, outer_optimizer="nesterov").check_survivable()
+    for algo in (geompi.FSA(), geompi.MixedSync()):
+        with pytest.raises(ConfigError, match="on_failure='continue' is supported with HFA only"):
+            algo.check_survivable()
+    for algo in (geompi.HFA(fragments=2), geompi.HFA(k2=2, adaptive=True)):
+        with pytest.raises(ConfigError, match="not supported together yet"):
+            algo.check_survivable()

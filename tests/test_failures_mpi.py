@@ -197,3 +197,27 @@ def test_a_loss_during_a_checkpoint_writes_it_again_and_the_job_resumes_on_every
     assert "[3, 2] + 2 global server(s) to [3, 2, 3]" in res.stderr
     resumed = json.loads((again / "summary.json").read_text())
     assert resumed["steps"] == 16 and "failures" not in resumed
+
+
+def test_the_public_api_survives_a_lost_datacenter(tmp_path):
+    """geompi.init(on_failure="continue") and a DistributedOptimizer with HFA around the
+    user's model and SGD: datacenter 2's local server is lost at step 4's global average.
+    Every surviving worker ends on the model of the independent simulation that drops
+    datacenter 2 there, and its optimizer lists the loss."""
+    from tests.progs.api_common import hfa_reference
+
+    env = {**ULFM_ENV, "GEOMPI_FAULT_KILL_AT": f"{LOST_AT}:7"}
+    res = mpirun(10, [prog("api_dc_lost.py"), str(tmp_path)], 150, env=env, launcher=ULFM)
+    (line,) = [ln for ln in res.stderr.splitlines() if ln.startswith("geompi: lost")]
+    assert f"7 (local server of datacenter 2) at step {LOST_AT}" in line, line
+    refs = hfa_reference([2, 1, 2], k1=2, k2=2, steps=12, outer_nesterov_lr=0.7,
+                         lost=(DC2, LOST_AT))  # fmt: skip
+    for w in range(3):
+        assert max_abs_diff(torch.load(tmp_path / f"w{w}.pt"), refs[w]) <= 1e-5, w
+        record = json.loads((tmp_path / f"w{w}.json").read_text())
+        (failure,) = record["failures"]
+        assert failure["step"] == LOST_AT and failure["left_dcs"] == [2]
+        assert record["global_syncs"] == 3
+    assert not (tmp_path / "w3.pt").exists()  # datacenter 2's workers left with status 0
+    assert max_abs_diff(torch.load(tmp_path / "w0.pt"), hfa_reference(
+        [2, 1, 2], k1=2, k2=2, steps=12, outer_nesterov_lr=0.7)[0]) > 1e-3  # fmt: skip

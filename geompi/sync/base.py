@@ -41,6 +41,16 @@ class Algorithm:
     def validate(self) -> None:  # noqa: B027 - optional check
         """Refuse settings that make no sense, with one line (ConfigError)."""
 
+    def check_survivable(self) -> None:
+        """``on_failure="continue"``: refuse, in one line (ConfigError), settings whose state a
+        recovery from a lost rank does not rebuild yet."""
+        from geompi.errors import ConfigError
+
+        raise ConfigError(
+            f"on_failure='continue' is supported with HFA only so far, not {self.name}: use "
+            "sync=geompi.HFA(...), or on_failure='abort' with checkpoints"
+        )
+
     def job(self) -> dict:
         """What the servers are told when the workers start this algorithm (JSON)."""
         return {"sync": self.name, "settings": asdict(self)}

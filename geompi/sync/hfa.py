@@ -88,6 +88,13 @@ class HFA(Algorithm):
                 self.k2, self.k2_min, self.k2_max, self.wan_share, self.streaming, _show_keyword
             )
 
+    def check_survivable(self) -> None:
+        if self.streaming or self.adaptive:
+            raise ConfigError(
+                "on_failure='continue' with HFA(fragments=..., overlap=True or adaptive=True): "
+                "not supported together yet; drop them"
+            )
+
     def next_k2(self, exchange_s: float, round_compute_s: float) -> int:
         """The K2 that makes a global exchange of ``exchange_s`` about ``wan_share`` of the wall
         time, when a datacenter round computes for ``round_compute_s`` (adaptive cadence)."""
