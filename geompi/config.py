@@ -281,6 +281,8 @@ class RunConfig:
             ("--hfa-fragments/--hfa-overlap", self.hfa_fragments > 1 or self.hfa_overlap,
              "not supported together yet"),
             ("--adaptive-sync", self.adaptive_sync, "not supported together yet"),
+            ("--lan-reduce scatter", self.lan_reduce == "scatter",
+             "a datacenter sums through its local server under continue"),
         ]  # fmt: skip
         for flag, given, why in refused:
             if given:

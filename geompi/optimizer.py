@@ -88,6 +88,11 @@ def DistributedOptimizer(  # noqa: N802 - a factory named like the class it retu
             raise ConfigError(
                 f"lan_reduce={lan_reduce!r}: choose one of {', '.join(map(repr, LAN_REDUCE))}"
             )
+        if lan_reduce == "scatter" and s.cfg.on_failure == "continue":
+            raise ConfigError(
+                "on_failure='continue' with lan_reduce='scatter': a datacenter sums through its "
+                "local server under continue; drop lan_reduce"
+            )
     except GeompiError as e:  # the same on every worker, before any collective call
         session.exit_identically(s, e)
     engine = Synchronizer(
@@ -324,7 +329,9 @@ class Synchronizer:
         scatter = scatters(
             lan_reduce or session.cfg.lan_reduce, self.client.workers, nbytes, one_node
         )
-        self.lan_flags = FLAG_SCATTER if scatter else 0
+        # on_failure="continue": every datacenter sums through its local server, whose rounds
+        # a recovery redoes (a reduce-scatter among the workers is not rebuilt after a loss)
+        self.lan_flags = FLAG_SCATTER if scatter and not faults.watching() else 0
         # The extra key after the buckets. FSA: [samples, per-parameter "had a gradient",
         # buffers x samples]; HFA: [buffers x weight]. Where the global servers step (FSA's
         # "servers" placement, MixedSync): buffers x samples as a mean key (FLAG_MEAN: the

@@ -94,6 +94,7 @@ class Worker:
         self.local_opt = self.opt if algo.local_steps else None  # its state is per worker
         self.step = 0
         self.samples = 0
+        self.samples_of_lost = 0  # --on-failure continue: samples the lost workers trained
         # Who agrees on stopping and checkpoints together: MixedSync's datacenters stay
         # independent (datacenter 0 alone writes checkpoints); the other algorithms move as one.
         self._nan_at = _fault_nan_at(self.rank)
@@ -294,8 +295,10 @@ class Worker:
             stop.rejoin(self.group)
             self.client = self.engine.client
 
-        seen = len(self.engine.failures)
+        seen, workers = len(self.engine.failures), self.topo.num_workers
         self.step = self.engine.survive(err, self.step, redo, rejoined)
+        # what the workers that are gone trained before (their samples count in the summary)
+        self.samples_of_lost += (workers - self.topo.num_workers) * self.samples
         for failure in self.engine.failures[seen:]:
             if log is not None:
                 log.write({"event": "failure", **failure})
@@ -526,7 +529,7 @@ def _train(cfg: RunConfig, comm) -> dict | None:
             **totals,
             **_server_summary(servers),
             "time_split": time_split(per_rank),
-            "samples": node.samples * topo.num_workers,
+            "samples": node.samples * topo.num_workers + node.samples_of_lost,
             "sync": cfg.sync,
             "topology": topo.describe(),
         }

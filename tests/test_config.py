@@ -458,6 +458,11 @@ ULFM_LAUNCH = {"OMPI_MCA_mpi_ft_enable": "1", "OMPI_MCA_btl": "self,tcp"}
             "drop --wan-compression",
         ),
         (["--on-failure", "continue", "--hfa-fragments", "2"], ULFM_LAUNCH, "drop --hfa-frag"),
+        (
+            ["--on-failure", "continue", "--lan-reduce", "scatter"],
+            ULFM_LAUNCH,
+            "--lan-reduce scatter: a datacenter sums through its local server under continue",
+        ),
     ],
 )
 def test_on_failure_continue_needs_hfa_and_a_ulfm_launch(

@@ -83,6 +83,8 @@ def test_hfa_survives_a_lost_datacenter(tmp_path, expected, hook, killed, what):
     assert failure["lost_ranks"] == [int(r) for r in killed.split(",")]
     assert summary["topology"]["dc_sizes"] == [3, 2]
     assert summary["steps"] == 12 and summary["global_syncs"] == 3  # at 4 (redone), 8, 12
+    # batches of 7: 3 workers for 12 steps, datacenter 2's 2 for the 3 steps before the loss
+    assert summary["samples"] == 7 * (3 * 12 + 2 * (LOST_AT - 1))
     got = torch.load(tmp_path / "model.pt")
     assert max_abs_diff(got, expected) <= 1e-5
 
@@ -98,6 +100,7 @@ def test_hfa_survives_a_lost_worker(tmp_path):
     assert "going on with 3 datacenter(s), 4 worker(s), 9 rank(s)" in line
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["topology"]["dc_sizes"] == [3, 2, 2]
+    assert summary["samples"] == 7 * (4 * 12 + 1 * (LOST_AT - 1))
     got = torch.load(tmp_path / "model.pt")
     assert max_abs_diff(got, reference(lost=([4], LOST_AT))) <= 1e-5
 
