@@ -463,8 +463,8 @@ def _train(cfg: RunConfig, comm) -> dict | None:
     check_node_gpus(cfg.dc_map, topo, comm)  # --dc-map nodes: one warning if workers != GPUs
     heartbeat.start(comm, cfg.comm_timeout)  # so the watchdog can tell idle from lost
     if cfg.on_failure == "continue":  # waits raise PeerLost instead of failing (ULFM)
-        again = f"run it again with --resume latest (from {cfg.checkpoint_dir})"
-        faults.watch(comm, again if cfg.checkpoint_dir else "run it again")
+        again = f"{faults.RUN_AGAIN} with --resume latest (from {cfg.checkpoint_dir})"
+        faults.watch(comm, again if cfg.checkpoint_dir else None)
     rank = comm.Get_rank()
     role = topo.role(rank)
     node = log = err = None

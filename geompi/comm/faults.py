@@ -73,7 +73,8 @@ _world = None
 
 
 # How to go on after a loss the job cannot survive (with checkpoints: resume the last one)
-_restart = "run it again"
+RUN_AGAIN = "run it again"
+_restart = RUN_AGAIN
 
 
 def watch(world, restart: str | None = None) -> None:
@@ -87,7 +88,7 @@ def watch(world, restart: str | None = None) -> None:
 
 def unwatch() -> None:
     global _world, _restart
-    _world, _restart = None, "run it again"
+    _world, _restart = None, RUN_AGAIN
 
 
 def watching() -> bool:
