@@ -1,0 +1,46 @@
+"""The test helper that starts mpirun: it tries again only a launch mpirun could not start."""
+
+from __future__ import annotations
+
+import stat
+
+from mpirun import LAUNCH_FAILURES, run
+
+
+def fake_launcher(tmp_path, fails: int, message: str, stdout: str = "") -> list[str]:
+    """A script standing in for mpirun: its first FAILS calls print MESSAGE and exit 213."""
+    count = tmp_path / "calls"
+    script = tmp_path / "fake-mpirun"
+    script.write_text(
+        "#!/bin/sh\n"
+        f"n=$(cat {count} 2>/dev/null || echo 0); echo $((n + 1)) > {count}\n"
+        f'if [ "$n" -lt {fails} ]; then printf "%s" "{stdout}"; echo "{message}" >&2; exit 213;'
+        " fi\n"
+        "echo ran\n"
+    )
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return [str(script)]
+
+
+def calls(tmp_path) -> int:
+    return int((tmp_path / "calls").read_text())
+
+
+def test_a_launch_mpirun_could_not_start_is_tried_again(tmp_path):
+    res = run(fake_launcher(tmp_path, 2, LAUNCH_FAILURES[0]), timeout=30)
+    assert (res.returncode, res.stdout, calls(tmp_path)) == (0, "ran\n", 3)
+
+
+def test_a_launch_that_keeps_failing_fails(tmp_path):
+    res = run(fake_launcher(tmp_path, 5, LAUNCH_FAILURES[0]), timeout=30)
+    assert res.returncode == 213 and calls(tmp_path) == 3
+
+
+def test_any_other_failure_is_not_tried_again(tmp_path):
+    res = run(fake_launcher(tmp_path, 1, "geompi: error: something"), timeout=30)
+    assert res.returncode == 213 and calls(tmp_path) == 1
+    # a rank that printed before the failure ran code under test: not tried again either
+    other = tmp_path / "other"
+    other.mkdir()
+    res = run(fake_launcher(other, 1, LAUNCH_FAILURES[0], stdout="step 1"), timeout=30)
+    assert res.returncode == 213 and calls(other) == 1
