@@ -258,7 +258,7 @@ class RunConfig:
         return self
 
     def _check_on_failure(self, algorithm_later: bool) -> None:
-        """``--on-failure continue``: so far HFA, under a ULFM launch, without the settings
+        """``--on-failure continue``: so far FSA and HFA, under a ULFM launch, without the settings
         whose state a recovery does not rebuild yet. ``algorithm_later`` (geompi.init): the
         algorithm is checked when DistributedOptimizer names it (``check_survivable``)."""
         from geompi.comm.faults import ON_FAILURE, check_launch
@@ -269,10 +269,10 @@ class RunConfig:
             )
         if self.on_failure != "continue":
             return
-        if self.sync != "hfa" and not algorithm_later:
+        if self.sync not in ("fsa", "hfa") and not algorithm_later:
             raise ConfigError(
-                f"--on-failure continue is supported with --sync hfa only so far, not "
-                f"--sync {self.sync}: use --sync hfa, or --on-failure abort with checkpoints"
+                f"--on-failure continue is supported with --sync fsa and hfa so far, not "
+                f"--sync {self.sync}: use one of those, or --on-failure abort with checkpoints"
             )
         refused = [
             ("--comm-timeout", self.comm_timeout is not None, "ULFM detects lost ranks itself"),

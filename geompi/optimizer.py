@@ -28,7 +28,7 @@ from geompi.comm import faults
 from geompi.comm.buckets import Buckets
 from geompi.comm.buffers import all_finite
 from geompi.comm.topology import node_share
-from geompi.comm.transport import LAN, Link, LinkStats, worker_timeout
+from geompi.comm.transport import LAN, Link, LinkStats, Requests, worker_timeout
 from geompi.config import LAN_REDUCE
 from geompi.errors import ConfigError, GeompiError, NonFiniteError
 from geompi.ps.client import PSClient, scatters
@@ -401,6 +401,23 @@ class Synchronizer:
         # whether step() recovers from a lost rank itself (the public API), or leaves it to
         # its caller (the CLI's loop, which rebuilds its own state too)
         self.recovers = True
+        # the caller's own rebuilding after a recovery (the CLI's loop: its topology, its stop
+        # agreement), called with the faults.Loss before the workers agree on anything
+        self.rejoined: Callable[[faults.Loss], None] | None = None
+        # FSA under on_failure="continue": a lost rank met while pushing this round (the round
+        # is redone at backward's end), the optimizer spec the round carried, and the last
+        # completed round's results (its id, and copies), which a worker that the loss cut off
+        # before they reached it takes from one they did reach
+        self._round_lost: BaseException | None = None
+        self._round_spec: bytes | None = None
+        self._kept_round = -1
+        self._kept: list[torch.Tensor] = []
+        # test hook: this worker pauses before it receives that step's results, so that a
+        # loss next step finds it without them (GEOMPI_FAULT_SLOW_PULL=STEP:RANK)
+        self._slow_at = faults.fault_step("GEOMPI_FAULT_SLOW_PULL", session.rank)
+        # test hook: this worker is lost as it begins that step's FSA round (the CLI's loop
+        # has its own, before the step's batch)
+        self._kill_at = faults.fault_step("GEOMPI_FAULT_KILL_AT", session.rank)
         model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
         self.hooked = {id(p) for p in self.params if p.requires_grad}
         for p in self.params:
@@ -583,8 +600,20 @@ class Synchronizer:
         torch.mul(p.grad.reshape(-1), self.weight, out=bucket.grads[off : off + numel])
         self.present_g[:, self.layout_pos[id(p)]] = 1.0
         self.ready[bucket.key] += 1
-        self._issue(complete_only=True)
-        self.reqs.test()
+        if self._round_lost is not None:  # the round is redone as backward ends
+            return
+        try:
+            self._issue(complete_only=True)
+            self.reqs.test()
+        except Exception as e:  # noqa: BLE001 - a lost rank, under on_failure="continue"
+            self._lost_while_pushing(e)
+
+    def _lost_while_pushing(self, err: Exception) -> None:
+        """A lost rank met by a push from a backward hook (on_failure="continue"): backward
+        goes on filling the buckets, and the round is redone as it ends (_finish_round)."""
+        if not (faults.watching() and faults.is_failure(err)):
+            raise err
+        self._round_lost = err
 
     def _stop(self, err: GeompiError) -> None:
         """An error every worker meets at the same point: one line from the master, all stop."""
@@ -611,11 +640,25 @@ class Synchronizer:
         for b in self.buckets:
             b.grads.zero_()
         self.present_g.zero_()
+        if not (self.algo.local_steps or self.algo.independent_dcs):  # FSA: one round a step
+            self.client.step = self.global_syncs + 1
+            if self.client.step == self._kill_at:
+                faults.kill_self(self.s.rank)
+        self._round_spec, self._round_lost = self._changed_spec(), None
+        try:
+            self.reqs = self._start_round()
+        except Exception as e:  # noqa: BLE001 - a lost rank, under on_failure="continue"
+            self.reqs = Requests(self.stats, None, "the local server")  # nothing posted
+            self._lost_while_pushing(e)
+
+    def _start_round(self):
+        """Post this step's GRAD round header (FSA, MixedSync); returns its requests."""
         flags = (FLAG_PRESENCE if self.server_side else FLAG_RAW) | self.lan_flags
         if self.server_side and self.aux_len:  # buffers: a sample-weighted mean
             flags |= FLAG_MEAN
-        self.reqs = self.client.start(
-            Op.GRAD, self.keys(), self.weight, flags=flags, spec=self._changed_spec()
+        self.issued = 0
+        return self.client.start(
+            Op.GRAD, self.keys(), self.weight, flags=flags, spec=self._round_spec
         )
 
     def _changed_spec(self) -> bytes | None:
@@ -654,6 +697,18 @@ class Synchronizer:
 
     @torch.no_grad()
     def _finish_round(self) -> None:
+        try:
+            if self._round_lost is not None:
+                raise self._round_lost
+            self._exchange()
+        except Exception as e:  # noqa: BLE001 - a lost rank, under on_failure="continue"
+            if not (faults.watching() and faults.is_failure(e)):
+                raise
+            self._complete_after_loss(e)
+        self._after_round()
+
+    def _exchange(self) -> None:
+        """Push what backward has not pushed yet and wait for the round's results."""
         self._issue(complete_only=False)  # parameters without a gradient here push zeros
         fsa = self.grads_to_workers
         if fsa:
@@ -661,6 +716,7 @@ class Synchronizer:
             self.aux_send[1 : 1 + len(self.params)].copy_(self.present_g[0])
             self._pack_buffers(self._buffer_slice(self.aux_send), self.weight)
             self.client.push(self.reqs, self.aux_send)
+            self._pause_for_test()
             for out in self.results:
                 self.client.pull(self.reqs, out)
             self.client.pull(self.reqs, self.aux_recv)
@@ -669,12 +725,32 @@ class Synchronizer:
                 self._pack_buffers(self.aux_send, self.weight)
                 self.client.push(self.reqs, self.aux_send)
             self.client.push(self.reqs, presence_payload(self.present_g.view(-1)))
+            self._pause_for_test()
             for b in self.buckets:
                 self.client.pull(self.reqs, b.params)
             if self.aux_len:
                 self.client.pull(self.reqs, self.aux_recv)
             self.client.pull(self.reqs, self.present_out)
         self.client.wait(self.reqs)
+        if faults.watching():
+            self._keep_results()
+
+    def _pause_for_test(self) -> None:
+        """GEOMPI_FAULT_SLOW_PULL: a pause that still drives MPI progress (the others' stop
+        agreement, a nonblocking collective, needs this worker's)."""
+        if self.client.step != self._slow_at:
+            return
+        from mpi4py import MPI
+
+        self._slow_at, until = -1, time.monotonic() + 4.0
+        while time.monotonic() < until:
+            MPI.COMM_SELF.Iprobe()
+            time.sleep(1e-3)
+
+    def _after_round(self) -> None:
+        """The round's results into the model: the global gradient (FSA) or the parameters
+        the servers stepped (which the pulls already wrote), and the buffers."""
+        fsa = self.grads_to_workers
         self.reqs = None
         self.synced = True
         self.samples, self.passes_done, self.explicit_samples = 0, 0, None
@@ -845,9 +921,13 @@ class Synchronizer:
         worker's parameters as it pushed them (a part of the results may have landed)."""
         s = self.s
         s.topo, s.rank = topo, s.comms.world.Get_rank()
-        round_id, step = self.client.round_id, self.client.step
-        self.client = PSClient(Link(s.comms.dc, LAN, self.stats), self.client.timeout)
-        self.client.round_id, self.client.step = round_id, step
+        old = self.client
+        self.client = PSClient(Link(s.comms.dc, LAN, self.stats), old.timeout)
+        self.client.round_id, self.client.done_id, self.client.step = (
+            old.round_id,
+            old.done_id,
+            old.step,
+        )
         if self.cadence is not None:
             self.cadence.comm = s.comms.all_workers
         if self.pushed_weight is not None:
@@ -858,36 +938,142 @@ class Synchronizer:
             self.pushed_weight = None
         self.closed = False  # close() may have been cut off too: it runs again
 
-    def survive(self, err: BaseException, step: int, redo: bool = True, rejoined=None) -> int:
+    def survive(self, err: BaseException, step: int, redo: bool = True) -> int:
         """``on_failure="continue"``: a rank was lost during this worker's round (``err``).
         Every survivor recovers (geompi.comm.faults), the workers agree on the step (the
         caller's count, returned agreed), rank 0 says what was lost, and (``redo``) the round
         cut off becomes a global average over the surviving datacenters, from the parameters
-        each worker had before it. ``rejoined(loss)``: the caller's own rebuilding, before the
-        agreement. Re-raises ``err`` where it is not a lost rank."""
+        each worker had before it (FSA: see _recover). Re-raises ``err`` where it is not a lost
+        rank."""
         while True:
             if not faults.is_failure(err):
                 raise err
-            loss = faults.recover(self.s.comms, self.s.topo)  # a leaving rank exits in there
+            if not self.algo.local_steps:  # FSA: the round itself was completed or redone
+                try:
+                    self._recover(err)
+                    return step
+                except Exception as again:  # noqa: BLE001 - lost another rank meanwhile
+                    err = again
+                    continue
+            # a leaving rank exits in there
+            loss = faults.recover(self.s.comms, self.s.topo, self.client.done_id)
             self.rejoin(loss.topo)
-            if rejoined is not None:
-                rejoined(loss)
+            if self.rejoined is not None:
+                self.rejoined(loss)
             try:
                 step = self.agree_on_step(step)
-                at = step + 1 if redo else step  # the step trained, or the one just saved
-                self.failures.append(
-                    {"step": at, "lost_ranks": loss.lost, "left_dcs": loss.left_dcs,
-                     "topology": loss.topo.describe(), "recovered_at": time.time()}
-                )  # fmt: skip
-                if self.master:
-                    from geompi.runtime import say
-
-                    say(loss.describe(at))
+                self._record(loss, step + 1 if redo else step)  # the step trained, or saved
                 if redo:
                     self.average_globally()
                 return step
             except Exception as again:  # noqa: BLE001 - lost another rank meanwhile
                 err = again
+
+    def _pulled(self) -> list[torch.Tensor]:
+        """Where a GRAD round's results land (FSA, MixedSync)."""
+        if self.grads_to_workers:
+            return [*self.results, self.aux_recv]
+        out = [b.params for b in self.buckets]
+        return [*out, self.aux_recv, self.present_out] if self.aux_len else [*out, self.present_out]
+
+    def _keep_results(self) -> None:
+        """FSA under on_failure="continue": a copy of the round's results, for a worker that a
+        loss cuts off before they reach it (see _catch_up)."""
+        pulled = self._pulled()
+        if len(self._kept) != len(pulled):
+            self._kept = [torch.empty_like(t) for t in pulled]
+        for kept, t in zip(self._kept, pulled):
+            kept.copy_(t)
+        self._kept_round = self.client.done_id
+
+    def _complete_after_loss(self, err: BaseException) -> None:
+        """FSA: a rank was lost during this worker's round. Every survivor recovers; if some
+        worker completed the round, its results reach the others (_catch_up), else the
+        survivors redo it with the gradients they pushed (the lost workers' left out)."""
+        pending = self.client.round_id
+        while True:
+            try:
+                self._recover(err)
+                if self.client.done_id == pending:  # completed from a peer
+                    return
+                self.reqs = self._start_round()  # the round again, in the new topology
+                self._exchange()
+                return
+            except Exception as again:  # noqa: BLE001 - lost another rank meanwhile
+                if not (faults.watching() and faults.is_failure(again)):
+                    raise
+                err = again
+
+    def _recover(self, err: BaseException) -> faults.Loss:
+        """FSA's one recovery, on every worker wherever the loss met it (a round, or the CLI's
+        stop agreement, checkpoint or close): recover, rejoin, complete the last round on the
+        workers it did not reach, and say what was lost. Every worker's next round is then
+        the first after the last completed one."""
+        if not faults.is_failure(err):
+            raise err
+        loss = faults.recover(self.s.comms, self.s.topo, self.client.done_id)
+        self.rejoin(loss.topo)
+        if self.rejoined is not None:
+            self.rejoined(loss)
+        caught_up = self._catch_up()
+        self.client.round_id = loss.done
+        # the first step trained without the lost ranks (a worker that caught up counts the
+        # round it completed as the others did)
+        self._record(loss, self.global_syncs + 1 + caught_up, caught_up)
+        return loss
+
+    @torch.no_grad()
+    def _catch_up(self) -> bool:
+        """Collective over the workers after a recovery (FSA): the workers that the loss cut
+        off before their round's results arrived take them from the lowest-ranked worker they
+        reached (a loss cuts a round off between the two at most). Returns whether this one
+        did."""
+        import numpy as np
+        from mpi4py import MPI
+
+        comm = self.s.comms.all_workers
+        ids = np.array([self._kept_round, -self._kept_round], dtype=np.int64)
+        comm.Allreduce(MPI.IN_PLACE, ids, op=MPI.MAX)
+        latest, earliest = int(ids[0]), -int(ids[1])
+        if latest == earliest:
+            return False
+        behind = self._kept_round != latest
+        # the lowest rank that has the results, and whether a worker behind is not in that
+        # round (never expected: then every worker stops alike)
+        mine = np.array(
+            [comm.Get_rank() if not behind else comm.Get_size(),
+             -int(behind and self.client.round_id != latest)], dtype=np.int64,
+        )  # fmt: skip
+        comm.Allreduce(MPI.IN_PLACE, mine, op=MPI.MIN)
+        if mine[1]:
+            raise GeompiError(
+                f"after a lost rank some workers completed round {latest} and others are not "
+                "in it: the job cannot go on; run it again from its last checkpoint"
+            )
+        if not self._kept:
+            self._kept = [torch.empty_like(t) for t in self._pulled()]
+        for kept in self._kept:
+            host = kept.detach().cpu()
+            comm.Bcast(host.numpy(), root=int(mine[0]))
+            kept.copy_(host)
+        if behind:
+            for t, kept in zip(self._pulled(), self._kept):
+                t.copy_(kept)
+            self._kept_round = self.client.done_id = latest
+        return behind
+
+    def _record(self, loss: faults.Loss, at: int, caught_up: bool = False) -> None:
+        """A survived loss in ``failures``, and its one line (from the master worker).
+        ``caught_up``: this worker took the last round's results from another (FSA)."""
+        self.failures.append(
+            {"step": at, "lost_ranks": loss.lost, "left_dcs": loss.left_dcs,
+             "lost_workers": loss.lost_workers, "topology": loss.topo.describe(),
+             "results_from_peer": caught_up, "recovered_at": time.time()}
+        )  # fmt: skip
+        if self.master:
+            from geompi.runtime import say
+
+            say(loss.describe(at))
 
     def agree_on_step(self, step: int) -> int:
         """Collective over every worker after a recovery: the latest step any of them reached

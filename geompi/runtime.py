@@ -284,6 +284,7 @@ class StopRequest:
         self._send = np.zeros(1, dtype=np.int32)
         self._recv = np.zeros(1, dtype=np.int32)
         self._req = None
+        self.resume_at = 0  # after a recovery: poll() agrees again from this step on
 
     @property
     def signal_name(self) -> str:
@@ -304,9 +305,13 @@ class StopRequest:
         self._wait()
         return bool(self._recv[0])
 
-    def poll(self) -> bool:
+    def poll(self, step: int | None = None) -> bool:
         """Collective over the workers: True once any worker has been signalled (one call
-        after the signal, as each call completes the previous one's agreement)."""
+        after the signal, as each call completes the previous one's agreement). Before
+        ``resume_at`` (after a recovery) ``step`` agrees nothing, so that every worker starts
+        again at the same step."""
+        if step is not None and step < self.resume_at:
+            return False
         stop = self.end()
         if not stop:
             self.begin()

@@ -95,6 +95,8 @@ class Worker:
         self.step = 0
         self.samples = 0
         self.samples_of_lost = 0  # --on-failure continue: samples the lost workers trained
+        self.failures_seen = 0  # of the engine's failures, those counted and logged
+        self.last_batch = 0  # the samples of this worker's last step
         # Who agrees on stopping and checkpoints together: MixedSync's datacenters stay
         # independent (datacenter 0 alone writes checkpoints); the other algorithms move as one.
         self._nan_at = _fault_nan_at(self.rank)
@@ -150,7 +152,7 @@ class Worker:
             stats=self.stats,
             follow_hyperparameters=False,
         )
-        engine.recovers = False  # the loop does, in _survive
+        engine.recovers = False  # HFA: the loop does, in _survive (FSA: its round, in backward)
         return opt, engine
 
     # ---- the loop -------------------------------------------------------------------------
@@ -162,6 +164,14 @@ class Worker:
         self._resume()
         self.stats.reset_time()  # the time split covers the training loop (as wall_s does)
         stop = StopRequest(self.group, worker_timeout(cfg.comm_timeout))  # as the client's
+
+        def rejoined(loss) -> None:  # after a recovery, wherever it met the loss
+            self.topo = loss.topo
+            self.group = self.comms.all_workers
+            stop.rejoin(self.group)
+            self.client = self.engine.client
+
+        self.engine.rejoined = rejoined
         loss_fn = torch.nn.CrossEntropyLoss()
         t_start = time.perf_counter()
         progress = Progress(log, self, t_start)
@@ -223,6 +233,8 @@ class Worker:
             compute_s += dt
             self.step += 1
             self.samples += n
+            self.last_batch = n
+            self._note_failures(log, stop)  # FSA: survived inside backward
             if self.step == self._signal_at:  # fault injection for tests (GEOMPI_FAULT_SIGNAL_AT)
                 os.kill(os.getpid(), signal.SIGTERM)
             progress.step(loss)
@@ -237,7 +249,10 @@ class Worker:
             # Agreeing on a stop is a collective over every worker (HFA's, above, at its
             # datacenter rounds).
             if not hfa and not stopping and self.step < self.total_steps:
-                stopping = stop.poll()
+                try:
+                    stopping = stop.poll(self.step)
+                except Exception as e:  # noqa: BLE001 - a lost rank, under --on-failure continue
+                    self._survive(e, stop, log, redo=False)
             if stopping:
                 preempted = self.step < self.total_steps
                 break
@@ -289,19 +304,28 @@ class Worker:
         ``redo``, its checkpoint); see Synchronizer.survive. Re-raises ``err`` where it is not
         a lost rank."""
 
-        def rejoined(loss) -> None:
-            self.topo = loss.topo
-            self.group = self.comms.all_workers
-            stop.rejoin(self.group)
-            self.client = self.engine.client
+        self.step = self.engine.survive(err, self.step, redo)
+        # HFA: here before this step's count; the lost workers trained as far as this one
+        self._note_failures(log, stop, self.samples if self.algo.local_steps else None)
 
-        seen, workers = len(self.engine.failures), self.topo.num_workers
-        self.step = self.engine.survive(err, self.step, redo, rejoined)
-        # what the workers that are gone trained before (their samples count in the summary)
-        self.samples_of_lost += (workers - self.topo.num_workers) * self.samples
-        for failure in self.engine.failures[seen:]:
+    def _note_failures(
+        self, log: MetricsLog | None, stop: StopRequest, trained: int | None = None
+    ) -> None:
+        """Each loss the engine survived since the last call: a metrics event, and the samples
+        the lost workers trained before it, which the summary counts (``trained``: each one's;
+        by default this worker's count up to the step before the loss). FSA: the workers next
+        agree on a stop after the first step trained without the lost ranks."""
+        for failure in self.engine.failures[self.failures_seen :]:
+            at = failure["step"]
+            done = trained
+            if done is None:
+                done = self.samples - (self.step - (at - 1)) * self.last_batch
+            self.samples_of_lost += failure["lost_workers"] * done
+            if not self.algo.local_steps:
+                stop.resume_at = at
             if log is not None:
                 log.write({"event": "failure", **failure})
+        self.failures_seen = len(self.engine.failures)
 
     def _resume(self) -> None:
         """Restore the checkpoint (if any) everywhere, then the INIT round starts the servers."""

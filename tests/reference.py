@@ -23,16 +23,26 @@ def worker_loaders(
 
 
 def large_batch_sgd(
-    *, dataset: str, model: str, workers: int, batch_size: int, seed: int, steps: int, make_opt
+    *,
+    dataset: str,
+    model: str,
+    workers: int,
+    batch_size: int,
+    seed: int,
+    steps: int,
+    make_opt,
+    active=None,
 ) -> dict[str, torch.Tensor]:
-    """Single-process training on the concatenation of every worker's batch, per step."""
+    """Single-process training on the concatenation of every worker's batch, per step
+    (``active(step)``: the workers that train at that step, counted from 1; default all)."""
     ds, loaders = worker_loaders(dataset, workers, batch_size, seed)
     torch.manual_seed(seed)
     net = build_model(model, ds.input_shape, ds.num_classes)
     opt = make_opt(net.parameters())
     loss_fn = torch.nn.CrossEntropyLoss()
-    for _ in range(steps):
-        xs, ys = zip(*(ld.next_batch() for ld in loaders))
+    for t in range(1, steps + 1):
+        ws = range(workers) if active is None else active(t)
+        xs, ys = zip(*(loaders[w].next_batch() for w in ws))
         opt.zero_grad()
         loss_fn(net(torch.cat(xs)), torch.cat(ys)).backward()
         opt.step()

@@ -446,7 +446,11 @@ ULFM_LAUNCH = {"OMPI_MCA_mpi_ft_enable": "1", "OMPI_MCA_btl": "self,tcp"}
             {"OMPI_MCA_mpi_ft_enable": "1"},
             "shared-memory transport (Open MPI's default transports)",
         ),
-        (["--on-failure", "continue", "--sync", "fsa"], ULFM_LAUNCH, "--sync hfa only so far"),
+        (
+            ["--on-failure", "continue", "--sync", "mixed"],
+            ULFM_LAUNCH,
+            "--sync fsa and hfa so far, not --sync mixed",
+        ),
         (
             ["--on-failure", "continue", "--comm-timeout", "5"],
             ULFM_LAUNCH,
@@ -497,18 +501,19 @@ def test_on_failure_continue_through_init_checks_the_algorithm_later(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """geompi.init(on_failure="continue") names no algorithm: DistributedOptimizer checks it
-    (Algorithm.check_survivable), refusing all but plain HFA in one line."""
+    (Algorithm.check_survivable), refusing all but FSA and plain HFA in one line."""
     import geompi
 
     for var, value in ULFM_LAUNCH.items():
         monkeypatch.setenv(var, value)
     make_config(env={}, on_failure="continue").validate(algorithm_later=True)
-    with pytest.raises(ConfigError, match="--sync hfa only so far"):
-        make_config(env={}, on_failure="continue").validate()
+    with pytest.raises(ConfigError, match="--sync fsa and hfa so far"):
+        make_config(env={}, sync="mixed", on_failure="continue").validate()
     geompi.HFA(k1=2, k2=2, outer_optimizer="nesterov").check_survivable()
-    for algo in (geompi.FSA(), geompi.MixedSync()):
-        with pytest.raises(ConfigError, match="on_failure='continue' is supported with HFA only"):
-            algo.check_survivable()
+    geompi.FSA().check_survivable()
+    geompi.FSA(optimizer="servers").check_survivable()
+    with pytest.raises(ConfigError, match="supported with FSA and HFA so far, not mixed"):
+        geompi.MixedSync().check_survivable()
     for algo in (geompi.HFA(fragments=2), geompi.HFA(k2=2, adaptive=True)):
         with pytest.raises(ConfigError, match="not supported together yet"):
             algo.check_survivable()

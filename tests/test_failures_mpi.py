@@ -224,3 +224,102 @@ def test_the_public_api_survives_a_lost_datacenter(tmp_path):
     assert not (tmp_path / "w3.pt").exists()  # datacenter 2's workers left with status 0
     assert max_abs_diff(torch.load(tmp_path / "w0.pt"), hfa_reference(
         [2, 1, 2], k1=2, k2=2, steps=12, outer_nesterov_lr=0.7)[0]) > 1e-3  # fmt: skip
+
+
+# tests/progs/fsa_lost.py's two losses: datacenter 2's local server (rank 7) once its first key
+# of step 4 has reached the global servers (which applied it: an SGD momentum step to undo);
+# then at step 9 worker rank 1, while rank 0 (the master, same datacenter) paused before step
+# 8's results reached it: those it takes from a worker they did reach.
+FSA_LOSSES = {
+    "GEOMPI_FAULT_KILL_MID": "4:7",
+    "GEOMPI_FAULT_SLOW_PULL": "8:0",
+    "GEOMPI_FAULT_KILL_AT": "9:1",
+}
+
+
+def fsa_reference(lost=(([3, 4], 4), ([1], 9))) -> dict[str, torch.Tensor]:
+    """tests/progs/fsa_lost.py simulated: SGD with momentum 0.9 on the concatenated batches of
+    the workers not yet lost at each step (``lost``: (worker indices, first step without))."""
+    from tests.reference import large_batch_sgd
+
+    def active(t: int) -> list[int]:
+        return [w for w in range(5) if not any(w in ws and t >= at for ws, at in lost)]
+
+    return large_batch_sgd(
+        dataset="digits", model="mlp", workers=5, batch_size=7, seed=4, steps=12,
+        make_opt=lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), active=active,
+    )  # fmt: skip
+
+
+def test_fsa_survives_a_lost_datacenter_then_a_lost_worker(tmp_path):
+    """FSA (2 global servers stepping SGD with momentum) loses datacenter 2 mid-round at step
+    4, then a worker of datacenter 0 at step 9 while the master lacked step 8's results. The
+    job ends with exit 0 on the model of large-batch SGD over the surviving workers' batches
+    (1e-5), says each loss in one line, and counts the lost workers' samples."""
+    env = {**ULFM_ENV, **FSA_LOSSES}
+    res = mpirun(10, [prog("fsa_lost.py"), str(tmp_path)], 180, env=env, launcher=ULFM)
+    first, second = [ln for ln in res.stderr.splitlines() if ln.startswith("geompi: lost")]
+    assert "7 (local server of datacenter 2) at step 4" in first, first
+    assert "datacenter(s) 2 left" in first and "2 datacenter(s), 3 worker(s), 7 rank(s)" in first
+    assert "1 (worker of datacenter 0) at step 9" in second, second
+    assert "the data shard(s) of worker rank(s) 1 dropped" in second
+    assert "going on with 2 datacenter(s), 2 worker(s), 6 rank(s)" in second
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    f1, f2 = summary["failures"]
+    assert (f1["step"], f1["lost_ranks"], f1["left_dcs"], f1["lost_workers"]) == (4, [7], [2], 2)
+    assert (f2["step"], f2["lost_ranks"], f2["left_dcs"], f2["lost_workers"]) == (9, [1], [], 1)
+    assert f2["results_from_peer"] and not f1["results_from_peer"]
+    assert summary["steps"] == 12 and summary["global_syncs"] == 12
+    assert summary["samples"] == 7 * (5 * 3 + 3 * 5 + 2 * 4)
+    assert max_abs_diff(torch.load(tmp_path / "model.pt"), fsa_reference()) <= 1e-5
+
+
+def test_the_fsa_reference_tells_each_loss_apart():
+    """The check above can fail: without either loss, or with a loss one step off, the model
+    differs by far more than its tolerance."""
+    expected = fsa_reference()
+    for lost in [(([1], 9),), (([3, 4], 4),), (([3, 4], 5), ([1], 9)), (([3, 4], 4), ([1], 8))]:
+        assert max_abs_diff(fsa_reference(lost), expected) > 1e-4, lost
+
+
+def api_fsa_reference(lost=(([3, 4], 4), ([1], 9))) -> dict[str, torch.Tensor]:
+    """tests/progs/api_fsa_lost.py simulated: one model, Adam on the sample-weighted loss over
+    the batches of the workers not yet lost at each step (``lost`` as fsa_reference's)."""
+    from tests.progs.api_common import batch, make_model, use_extra
+
+    model = make_model(seed=1)
+    adam = torch.optim.Adam(model.parameters(), lr=0.01)
+    loss_fn = torch.nn.CrossEntropyLoss(reduction="sum")
+    for t in range(12):
+        ws = [w for w in range(5) if not any(w in gone and t + 1 >= at for gone, at in lost)]
+        adam.zero_grad()
+        total = 0
+        loss = 0.0
+        for w in ws:
+            x, y = batch(w, t)
+            loss = loss + loss_fn(model(x, use_extra(w, t)), y)
+            total += len(y)
+        (loss / total).backward()
+        adam.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_the_public_api_survives_fsa_losses(tmp_path):
+    """geompi.init(on_failure="continue") and FSA with the user's Adam on the workers: the
+    same two losses as the CLI's (datacenter 2 mid-round at step 4; worker rank 1 at step 9,
+    as it begins its round, while the master lacked step 8's global gradient). Every surviving
+    worker ends on the model of the independent simulation (1e-5), which the losses change."""
+    env = {**ULFM_ENV, **FSA_LOSSES}
+    res = mpirun(10, [prog("api_fsa_lost.py"), str(tmp_path)], 180, env=env, launcher=ULFM)
+    lines = [ln for ln in res.stderr.splitlines() if ln.startswith("geompi: lost")]
+    assert len(lines) == 2, res.stderr
+    expected = api_fsa_reference()
+    for w in (0, 2):  # worker indices 0 and 2 (ranks 0 and 3) survive
+        assert max_abs_diff(torch.load(tmp_path / f"w{w}.pt"), expected) <= 1e-5, w
+        record = json.loads((tmp_path / f"w{w}.json").read_text())
+        assert [f["step"] for f in record["failures"]] == [4, 9]
+        assert record["global_syncs"] == 12
+    master = json.loads((tmp_path / "w0.json").read_text())
+    assert master["failures"][1]["results_from_peer"]
+    assert not (tmp_path / "w1.pt").exists() and not (tmp_path / "w3.pt").exists()
+    assert max_abs_diff(api_fsa_reference(lost=()), expected) > 1e-4

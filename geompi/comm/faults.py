@@ -117,6 +117,15 @@ class Loss:
     left_dcs: list[int]  # datacenters (numbered as before) that left the job
     topo: Topology  # the job after
     before: Topology
+    # the last round (a worker's round id) that some surviving worker completed: a global
+    # server undoes a later one it began, and the workers that did not complete this one take
+    # its results from one that did (FSA)
+    done: int = -1
+
+    @property
+    def lost_workers(self) -> int:
+        """How many workers the job lost (those of a datacenter that left included)."""
+        return self.before.num_workers - self.topo.num_workers
 
     def describe(self, step: int | None = None) -> str:
         """The one line a recovery prints (from the new rank 0)."""
@@ -292,11 +301,13 @@ def revoke_all(comms: Communicators) -> None:
                 pass
 
 
-def recover(comms: Communicators, topo: Topology) -> Loss:
+def recover(comms: Communicators, topo: Topology, done: int = -1) -> Loss:
     """Collective over the survivors: agree on who is gone, shrink, and rebuild ``comms``
     in place for the surviving topology. A rank whose datacenter leaves raises SystemExit(0)
     here, once the others no longer need it. Raises LostEssentialRank where the job cannot go
-    on."""
+    on. ``done``: a worker's last completed round (servers: -1); every survivor learns the
+    latest (``Loss.done``)."""
+    import numpy as np
     from mpi4py import MPI
 
     global _last_world
@@ -324,4 +335,6 @@ def recover(comms: Communicators, topo: Topology) -> Loss:
     comms.workers, comms.all_workers = fresh.workers, fresh.all_workers
     watch(comms.world)
     _last_world = comms.world
-    return Loss(sorted(lost), left, new_topo, topo)
+    latest = np.array([done], dtype=np.int64)
+    comms.world.Allreduce(MPI.IN_PLACE, latest, op=MPI.MAX)
+    return Loss(sorted(lost), left, new_topo, topo, int(latest[0]))

@@ -45,6 +45,7 @@ class PSClient:
         self.link = link
         self.timeout = timeout
         self.round_id = 0
+        self.done_id = 0  # the last round completed here (waited on)
         self.step = 0  # the training step, set by the training loop; travels in headers
         self.workers = link.size - 1  # dc_comm: the local server, then the workers in order
         self.me = link.rank - 1
@@ -145,6 +146,7 @@ class PSClient:
                 if phi > plo:
                     self.link.irecv(self._peers, out[plo:phi], 1 + p, TAG_PEER_RESULT + i)
         self._peers.wait()
+        self.done_id = self.round_id
 
     def _others(self) -> list[int]:
         return [p for p in range(self.workers) if p != self.me]

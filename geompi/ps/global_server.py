@@ -126,26 +126,30 @@ class GlobalServer:
     def rejoin(self, loss: faults.Loss) -> None:
         """After a recovery: the round a lost rank cut off undone, the same shard served to
         the surviving local servers."""
-        self._roll_back()
+        self._roll_back(loss.done)
         self.topo = loss.topo
         self.link = Link(self.comms.glob, WAN, self.stats)
         self.world = self.comms.world
         self.index = self.comms.glob.Get_rank() - self.topo.num_dcs
 
-    def _keep_before(self) -> None:
-        """Under --on-failure continue: this shard as the round starts, so a round cut off by
-        a lost rank (some keys applied, some not) can be undone and redone by the survivors."""
+    def _keep_before(self, rnd: Round) -> None:
+        """Under --on-failure continue: this shard as the round starts, kept until the next
+        one starts (every worker then had this round's results), so a round that no surviving
+        worker completed (some keys applied, some not, or all applied but not every result
+        delivered) can be undone and redone by the survivors."""
         self._before = {
+            "round": rnd.round_id,
             "values": {k: v.clone() for k, v in self.values.items()},
             "outer": copy.deepcopy(self.outer_state),
             "optimizer": copy.deepcopy(self.optimizer.state_dict()) if self.optimizer else None,
             "updates": self.updates,
         }
 
-    def _roll_back(self) -> None:
-        """Undo the round a lost rank cut off (see _keep_before); nothing if none was."""
+    def _roll_back(self, done: int) -> None:
+        """Undo the round a lost rank cut off (see _keep_before): one later than ``done``, the
+        last round a surviving worker completed. Nothing if none was."""
         before, self._before = self._before, None
-        if before is None:
+        if before is None or before["round"] <= done:
             return
         for k, v in before["values"].items():
             if k in self.values:
@@ -189,7 +193,7 @@ class GlobalServer:
         if rnd.flags & FLAG_PRESENCE and self.presence_key is not None:  # not on the wire
             rnd.keys.append((self.presence_key, self.presence_numel))
         if faults.watching():
-            self._keep_before()
+            self._keep_before(rnd)
         self._keep: list[torch.Tensor] = []  # payloads alive until their sends complete
         self._present = None
         pos = presence_position(rnd)  # never compressed; read first, it says what to step
@@ -268,7 +272,6 @@ class GlobalServer:
             self.restore(self._restore)
             self._restore = None
         reqs.wait()
-        self._before = None
         return rnd
 
     def _send_result(

@@ -47,8 +47,8 @@ class Algorithm:
         from geompi.errors import ConfigError
 
         raise ConfigError(
-            f"on_failure='continue' is supported with HFA only so far, not {self.name}: use "
-            "sync=geompi.HFA(...), or on_failure='abort' with checkpoints"
+            f"on_failure='continue' is supported with FSA and HFA so far, not {self.name}: "
+            "use sync=geompi.FSA() or geompi.HFA(...), or on_failure='abort' with checkpoints"
         )
 
     def job(self) -> dict:

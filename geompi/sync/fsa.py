@@ -44,6 +44,10 @@ class FSA(Algorithm):
     def on_servers(self) -> bool:
         return self.optimizer == "servers"
 
+    def check_survivable(self) -> None:
+        """A lost worker or datacenter is survived: the round it cut off is completed from a
+        worker it reached, or redone by the survivors (geompi.optimizer)."""
+
     @classmethod
     def from_config(cls, cfg) -> FSA:
         return cls(optimizer="servers")  # the CLI's optimizer flags name a server optimizer

@@ -1,0 +1,29 @@
+"""FSA through the public API with on_failure="continue" (launched with ULFM): datacenters of
+2, 1 and 2 workers, 2 global servers, the user's Adam on every worker, batches of a size that
+differs per worker and step, 12 steps. The test loses ranks with the GEOMPI_FAULT_* hooks;
+every surviving worker saves its model and what its DistributedOptimizer recorded."""
+
+import json
+import sys
+
+import torch
+
+import geompi
+from tests.progs.api_common import batch, make_model, use_extra
+
+out = sys.argv[1]
+geompi.init(dc_sizes=(3, 2, 3), global_servers=2, on_failure="continue")
+w = geompi.worker_rank()
+model = make_model(seed=1 + w)  # the master's parameters reach every worker
+adam = torch.optim.Adam(model.parameters(), lr=0.01)
+opt = geompi.DistributedOptimizer(adam, model, sync=geompi.FSA(), bucket_mb=0.002)
+loss_fn = torch.nn.CrossEntropyLoss()
+for t in range(12):
+    x, y = batch(w, t)
+    opt.zero_grad()
+    loss_fn(model(x, use_extra(w, t)), y).backward()
+    opt.step()
+torch.save(model.state_dict(), f"{out}/w{w}.pt")
+with open(f"{out}/w{w}.json", "w") as f:
+    json.dump({"global_syncs": opt.global_syncs, "failures": opt.failures}, f)
+geompi.finish()
