@@ -610,7 +610,10 @@ class Synchronizer:
 
     def _lost_while_pushing(self, err: Exception) -> None:
         """A lost rank met by a push from a backward hook (on_failure="continue"): backward
-        goes on filling the buckets, and the round is redone as it ends (_finish_round)."""
+        goes on filling the buckets, and the round is redone as it ends (_finish_round). Open
+        MPI 5.0.11 reports a revoked communicator only at the round's wait (measured: pushes
+        after the revocation posted without error), other MPI libraries may as the push is
+        posted."""
         if not (faults.watching() and faults.is_failure(err)):
             raise err
         self._round_lost = err
@@ -716,7 +719,7 @@ class Synchronizer:
             self.aux_send[1 : 1 + len(self.params)].copy_(self.present_g[0])
             self._pack_buffers(self._buffer_slice(self.aux_send), self.weight)
             self.client.push(self.reqs, self.aux_send)
-            self._pause_for_test()
+            self._pull_pause()
             for out in self.results:
                 self.client.pull(self.reqs, out)
             self.client.pull(self.reqs, self.aux_recv)
@@ -725,7 +728,7 @@ class Synchronizer:
                 self._pack_buffers(self.aux_send, self.weight)
                 self.client.push(self.reqs, self.aux_send)
             self.client.push(self.reqs, presence_payload(self.present_g.view(-1)))
-            self._pause_for_test()
+            self._pull_pause()
             for b in self.buckets:
                 self.client.pull(self.reqs, b.params)
             if self.aux_len:
@@ -735,7 +738,7 @@ class Synchronizer:
         if faults.watching():
             self._keep_results()
 
-    def _pause_for_test(self) -> None:
+    def _pull_pause(self) -> None:
         """GEOMPI_FAULT_SLOW_PULL: a pause that still drives MPI progress (the others' stop
         agreement, a nonblocking collective, needs this worker's)."""
         if self.client.step != self._slow_at:
