@@ -22,7 +22,7 @@ DC2 = [3, 4]  # the worker indices of datacenter 2 (ranks 5 and 6)
 def reference(
     lost: tuple[list[int], int] | None = (DC2, LOST_AT), steps: int = 12, **kw
 ) -> dict[str, torch.Tensor]:
-    """The run of tests/progs/hfa_dc_lost.py, simulated: datacenters of 2, 1 and 2 workers,
+    """The HFA run of tests/progs/dc_lost.py, simulated: datacenters of 2, 1 and 2 workers,
     momentum 0.9, outer Nesterov 0.7; datacenter 2 is lost during the average at LOST_AT,
     which the others make global among themselves (``kw``: hfa_reference's, as
     ``left_after``)."""
@@ -71,7 +71,7 @@ def test_hfa_survives_a_lost_datacenter(tmp_path, expected, hook, killed, what):
     with exit 0 on the global model of the other two, which equals the simulation that drops
     datacenter 2 at that average (1e-5), and says so in one line."""
     env = {**ULFM_ENV, hook: f"{LOST_AT}:{killed}"}
-    res = mpirun(10, [prog("hfa_dc_lost.py"), str(tmp_path)], 150, env=env, launcher=ULFM)
+    res = mpirun(10, [prog("dc_lost.py"), "hfa", str(tmp_path)], 150, env=env, launcher=ULFM)
     lines = [ln for ln in res.stderr.splitlines() if ln.startswith("geompi: lost")]
     assert len(lines) == 1, res.stderr
     assert f"at step {LOST_AT}" in lines[0] and what in lines[0], lines[0]
@@ -93,7 +93,7 @@ def test_hfa_survives_a_lost_worker(tmp_path):
     """One of datacenter 2's two workers (rank 6) is lost at step 4: datacenter 2 goes on with
     the other; the final model equals the simulation that drops that worker there."""
     env = {**ULFM_ENV, "GEOMPI_FAULT_KILL_AT": f"{LOST_AT}:6"}
-    res = mpirun(10, [prog("hfa_dc_lost.py"), str(tmp_path)], 150, env=env, launcher=ULFM)
+    res = mpirun(10, [prog("dc_lost.py"), "hfa", str(tmp_path)], 150, env=env, launcher=ULFM)
     (line,) = [ln for ln in res.stderr.splitlines() if ln.startswith("geompi: lost")]
     assert "6 (worker of datacenter 2)" in line and "left the job" not in line
     assert "the data shard(s) of worker rank(s) 6 dropped" in line
@@ -117,7 +117,7 @@ def test_a_lost_datacenter_0_stops_the_job_in_one_line(tmp_path):
     exit, no hang."""
     env = {**ULFM_ENV, "GEOMPI_FAULT_KILL_AT": f"{LOST_AT}:2"}
     res = mpirun(
-        10, [prog("hfa_dc_lost.py"), str(tmp_path)], 120, env=env, launcher=ULFM, check=False
+        10, [prog("dc_lost.py"), "hfa", str(tmp_path)], 120, env=env, launcher=ULFM, check=False
     )
     assert res.returncode != 0
     lines = error_lines(res.stderr)
@@ -132,7 +132,7 @@ def test_a_lost_global_server_stops_the_job_which_resumes_from_its_checkpoint(tm
     is intact, and the job resumed from it on every rank trains to the end."""
     ck = tmp_path / "ck"
     env = {**ULFM_ENV, "GEOMPI_FAULT_KILL_AT": "8:8"}
-    args = [prog("hfa_dc_lost.py"), str(tmp_path), "12", str(ck)]
+    args = [prog("dc_lost.py"), "hfa", str(tmp_path), "12", str(ck)]
     res = mpirun(10, args, 120, env=env, launcher=ULFM, check=False)
     assert res.returncode != 0
     lines = error_lines(res.stderr)
@@ -141,7 +141,7 @@ def test_a_lost_global_server_stops_the_job_which_resumes_from_its_checkpoint(tm
     assert not (tmp_path / "summary.json").exists()
     assert [p.name for p in ck.iterdir()] == ["ckpt-00000004.h5"]
 
-    args = [prog("hfa_dc_lost.py"), str(tmp_path), "12", str(ck), "resume"]
+    args = [prog("dc_lost.py"), "hfa", str(tmp_path), "12", str(ck), "resume"]
     res = mpirun(10, args, 150, env=ULFM_ENV, launcher=ULFM)
     assert "at step 4" in res.stderr and "resumed from" in res.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -156,7 +156,7 @@ def test_hfa_survives_a_loss_at_a_datacenter_round(tmp_path, expected):
     they notice at step 4's global average (every run here), datacenter 2's steps since step 2
     never reach anyone, so the model is the one of a loss at step 4."""
     env = {**ULFM_ENV, "GEOMPI_FAULT_KILL_AT": "2:7"}
-    res = mpirun(10, [prog("hfa_dc_lost.py"), str(tmp_path)], 150, env=env, launcher=ULFM)
+    res = mpirun(10, [prog("dc_lost.py"), "hfa", str(tmp_path)], 150, env=env, launcher=ULFM)
     (line,) = [ln for ln in res.stderr.splitlines() if ln.startswith("geompi: lost")]
     assert "7 (local server of datacenter 2)" in line and "datacenter(s) 2 left" in line
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -176,7 +176,7 @@ def test_a_loss_during_a_checkpoint_writes_it_again_and_the_job_resumes_on_every
     resumes from step 12 on all 10 ranks (re-sharded onto 3 datacenters) and trains to 16."""
     ck = tmp_path / "ck"
     env = {**ULFM_ENV, "GEOMPI_FAULT_KILL_SAVE": f"{LOST_AT}:7"}
-    args = [prog("hfa_dc_lost.py"), str(tmp_path), "12", str(ck)]
+    args = [prog("dc_lost.py"), "hfa", str(tmp_path), "12", str(ck)]
     res = mpirun(10, args, 150, env=env, launcher=ULFM)
     (line,) = [ln for ln in res.stderr.splitlines() if ln.startswith("geompi: lost")]
     assert f"7 (local server of datacenter 2) at step {LOST_AT}" in line, line
@@ -194,7 +194,7 @@ def test_a_loss_during_a_checkpoint_writes_it_again_and_the_job_resumes_on_every
 
     again = tmp_path / "again"
     again.mkdir()
-    args = [prog("hfa_dc_lost.py"), str(again), "16", str(ck), "resume"]
+    args = [prog("dc_lost.py"), "hfa", str(again), "16", str(ck), "resume"]
     res = mpirun(10, args, 150, env=ULFM_ENV, launcher=ULFM)
     assert "resumed from" in res.stderr and "at step 12" in res.stderr, res.stderr
     assert "[3, 2] + 2 global server(s) to [3, 2, 3]" in res.stderr
@@ -226,10 +226,11 @@ def test_the_public_api_survives_a_lost_datacenter(tmp_path):
         [2, 1, 2], k1=2, k2=2, steps=12, outer_nesterov_lr=0.7)[0]) > 1e-3  # fmt: skip
 
 
-# tests/progs/fsa_lost.py's two losses: datacenter 2's local server (rank 7) once its first key
-# of step 4 has reached the global servers (which applied it: an SGD momentum step to undo);
-# then at step 9 worker rank 1, while rank 0 (the master, same datacenter) paused before step
-# 8's results reached it: those it takes from a worker they did reach.
+# The two losses of FSA's runs (tests/progs/dc_lost.py fsa, api_dc_lost.py fsa): datacenter
+# 2's local server (rank 7) once its first key of step 4 has reached the global servers (which
+# applied it: an SGD momentum step to undo); then at step 9 worker rank 1, while rank 0 (the
+# master, same datacenter) paused before step 8's results reached it: those it takes from a
+# worker they did reach.
 FSA_LOSSES = {
     "GEOMPI_FAULT_KILL_MID": "4:7",
     "GEOMPI_FAULT_SLOW_PULL": "8:0",
@@ -238,8 +239,9 @@ FSA_LOSSES = {
 
 
 def fsa_reference(lost=(([3, 4], 4), ([1], 9))) -> dict[str, torch.Tensor]:
-    """tests/progs/fsa_lost.py simulated: SGD with momentum 0.9 on the concatenated batches of
-    the workers not yet lost at each step (``lost``: (worker indices, first step without))."""
+    """``tests/progs/dc_lost.py fsa`` simulated: SGD with momentum 0.9 on the concatenated
+    batches of the workers not yet lost at each step (``lost``: (worker indices, first step
+    without))."""
     from tests.reference import large_batch_sgd
 
     def active(t: int) -> list[int]:
@@ -257,7 +259,7 @@ def test_fsa_survives_a_lost_datacenter_then_a_lost_worker(tmp_path):
     job ends with exit 0 on the model of large-batch SGD over the surviving workers' batches
     (1e-5), says each loss in one line, and counts the lost workers' samples."""
     env = {**ULFM_ENV, **FSA_LOSSES}
-    res = mpirun(10, [prog("fsa_lost.py"), str(tmp_path)], 180, env=env, launcher=ULFM)
+    res = mpirun(10, [prog("dc_lost.py"), "fsa", str(tmp_path)], 180, env=env, launcher=ULFM)
     first, second = [ln for ln in res.stderr.splitlines() if ln.startswith("geompi: lost")]
     assert "7 (local server of datacenter 2) at step 4" in first, first
     assert "datacenter(s) 2 left" in first and "2 datacenter(s), 3 worker(s), 7 rank(s)" in first
@@ -283,8 +285,9 @@ def test_the_fsa_reference_tells_each_loss_apart():
 
 
 def api_fsa_reference(lost=(([3, 4], 4), ([1], 9))) -> dict[str, torch.Tensor]:
-    """tests/progs/api_fsa_lost.py simulated: one model, Adam on the sample-weighted loss over
-    the batches of the workers not yet lost at each step (``lost`` as fsa_reference's)."""
+    """``tests/progs/api_dc_lost.py OUT fsa`` simulated: one model, Adam on the sample-weighted
+    loss over the batches of the workers not yet lost at each step (``lost`` as
+    fsa_reference's)."""
     from tests.progs.api_common import batch, make_model, use_extra
 
     model = make_model(seed=1)
@@ -310,7 +313,7 @@ def test_the_public_api_survives_fsa_losses(tmp_path):
     as it begins its round, while the master lacked step 8's global gradient). Every surviving
     worker ends on the model of the independent simulation (1e-5), which the losses change."""
     env = {**ULFM_ENV, **FSA_LOSSES}
-    res = mpirun(10, [prog("api_fsa_lost.py"), str(tmp_path)], 180, env=env, launcher=ULFM)
+    res = mpirun(10, [prog("api_dc_lost.py"), str(tmp_path), "fsa"], 180, env=env, launcher=ULFM)
     lines = [ln for ln in res.stderr.splitlines() if ln.startswith("geompi: lost")]
     assert len(lines) == 2, res.stderr
     expected = api_fsa_reference()

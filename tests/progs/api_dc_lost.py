@@ -1,7 +1,10 @@
-"""HFA through the public API with on_failure="continue" (launched with ULFM): datacenters of
-2, 1 and 2 workers, 2 global servers, momentum 0.9 and an outer Nesterov step, 12 steps. The
-test kills ranks with GEOMPI_FAULT_KILL_AT (servers); every surviving worker saves its model
-and what its DistributedOptimizer recorded of the loss."""
+"""FSA or HFA through the public API with on_failure="continue" (launched with ULFM):
+datacenters of 2, 1 and 2 workers, 2 global servers, 12 steps. HFA: SGD with momentum 0.9 and
+an outer Nesterov step; FSA: the user's Adam on every worker, batches of a size that differs per
+worker and step. The test loses ranks with the GEOMPI_FAULT_* hooks; every surviving worker
+saves its model and what its DistributedOptimizer recorded of the losses.
+
+    api_dc_lost.py OUT [hfa|fsa]"""
 
 import json
 import sys
@@ -14,9 +17,13 @@ from tests.progs.api_common import batch, hfa_optimizer, make_model, use_extra
 out = sys.argv[1]
 geompi.init(dc_sizes=(3, 2, 3), global_servers=2, on_failure="continue")
 w = geompi.worker_rank()
-model = make_model(seed=1 + w)
-algo = geompi.HFA(k1=2, k2=2, outer_optimizer="nesterov", outer_lr=0.7)
-opt = geompi.DistributedOptimizer(hfa_optimizer(model), model, sync=algo, bucket_mb=0.002)
+model = make_model(seed=1 + w)  # the master's parameters reach every worker
+if sys.argv[2:] == ["fsa"]:
+    algo, inner = geompi.FSA(), torch.optim.Adam(model.parameters(), lr=0.01)
+else:
+    algo = geompi.HFA(k1=2, k2=2, outer_optimizer="nesterov", outer_lr=0.7)
+    inner = hfa_optimizer(model)
+opt = geompi.DistributedOptimizer(inner, model, sync=algo, bucket_mb=0.002)
 loss_fn = torch.nn.CrossEntropyLoss()
 for t in range(12):
     x, y = batch(w, t)
