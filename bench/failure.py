@@ -3,9 +3,11 @@ last checkpoint, side by side.
 
     python bench/failure.py                 # 16 ranks, 3 interleaved repeats of each
     python bench/failure.py --steps 192 --repeat 5
+    python bench/failure.py --sync fsa      # writes bench/results/failure_fsa.json
 
 The job is HFA on the digits CNN (16 ranks: 3 datacenters of 4 workers, 1 global server,
-K1=8, K2=4). At ``--kill-at`` (mid-run, between two global averages) the local server of
+K1=8, K2=4), or with ``--sync fsa`` FSA on the same (checkpoints every 32 steps, as HFA's
+K1*K2). At ``--kill-at`` (mid-run, between two global averages) the local server of
 datacenter 2 is SIGKILLed (geompi's GEOMPI_FAULT_KILL_AT test hook). Each repeat runs, one
 after the other:
 
@@ -92,14 +94,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kill-at", type=int, default=None, help="step of the loss (default: mid)")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--timeout", type=float, default=600)
-    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "failure.json"))
+    p.add_argument("--sync", choices=("hfa", "fsa"), default="hfa")
+    p.add_argument("--out", default=None, help="default bench/results/failure[_fsa].json")
     a = p.parse_args(argv)
-    period = 32  # K1 * K2
-    kill = a.kill_at or (a.steps // 2 + 16)  # between two global averages
+    out_path = a.out or ROOT / "bench" / "results" / (
+        "failure.json" if a.sync == "hfa" else "failure_fsa.json"
+    )
+    period = 32  # K1 * K2 (HFA's checkpoints are at global averages)
+    kill = a.kill_at or (a.steps // 2 + 16)  # between two global averages (HFA)
     env = {**os.environ, **LOCAL_OPENMPI_ENV, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     ft_env = {**env, "OMPI_MCA_btl": "self,tcp"}
     ulfm = ["--with-ft", "ulfm", "--mca", "btl", "self,tcp"]
-    common = ["--sync", "hfa", "--k1", "8", "--k2", "4", "--steps", str(a.steps)]
+    common = ["--sync", a.sync, "--steps", str(a.steps)]
+    if a.sync == "hfa":
+        common += ["--k1", "8", "--k2", "4"]
     common += ["--batch-size", str(BATCH), "--eval-every", "0"]
     kill_env = {"GEOMPI_FAULT_KILL_AT": f"{kill}:{LOST_LS}"}
     goodput: dict[str, list[float]] = {"continue": [], "restart": []}
@@ -112,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
                 a.timeout)  # fmt: skip
         if c["rc"] != 0 or c["failure"] is None:
             sys.exit(f"failure: the continue run failed (exit {c['rc']})\n{c['err'][-3000:]}")
-        samples = BATCH * (12 * kill + 8 * (a.steps - kill))
+        before = kill if a.sync == "hfa" else kill - 1  # FSA redoes step `kill` without it
+        samples = BATCH * (12 * before + 8 * (a.steps - before))
         goodput["continue"].append(samples / c["wall"])
         walls["continue"].append(c["wall"])
         detect.append(c["failure"]["recovered_at"] - killed_at(c["err"]))
@@ -149,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     ft_train = [u / p for u, p in zip(train_walls["ulfm"], train_walls["plain"])]
     out = {
         "benchmark": "failure",
+        "sync": a.sync,
         "ranks": RANKS,
         "steps": a.steps,
         "kill_at": kill,
@@ -165,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": f"{platform.node()} {os.cpu_count()} CPUs",
         "command": "python bench/failure.py " + " ".join(argv or sys.argv[1:]),
     }
-    pathlib.Path(a.out).write_text(json.dumps(out, indent=2) + "\n")
+    pathlib.Path(out_path).write_text(json.dumps(out, indent=2) + "\n")
     print(json.dumps({k: v for k, v in out.items() if not isinstance(v, dict)}, indent=1))
     print(
         f"goodput continue/restart {statistics.median(ratios):.2f} "

@@ -618,8 +618,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument(
         "--on-failure",
         metavar="abort|continue",
-        help="on a lost rank: stop the job, or (HFA, under mpirun --with-ft ulfm) go on without "
-        f"it (default {d.on_failure})",
+        help="on a lost rank: stop the job, or (FSA, HFA, under mpirun --with-ft ulfm) go on "
+        f"without it (default {d.on_failure})",
     )
     return p
 
