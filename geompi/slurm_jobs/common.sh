@@ -131,8 +131,9 @@ geompi_setup() {
     fi
 
     # GEOMPI_FT=1: keep training when a datacenter or a worker is lost (--on-failure continue,
-    # FSA or HFA): mpirun under MPI fault tolerance (ULFM), TCP also inside a node (shared memory does
-    # not survive a lost rank), Open MPI's heartbeat on its own thread (GEOMPI_FT_TIMEOUT s).
+    # FSA or HFA): mpirun under MPI fault tolerance (ULFM), TCP also inside a node (shared
+    # memory does not survive a lost rank), Open MPI's heartbeat on its own thread
+    # (GEOMPI_FT_TIMEOUT s).
     GEOMPI_FT=${GEOMPI_FT:-0}
     GEOMPI_FT_TIMEOUT=${GEOMPI_FT_TIMEOUT:-10}
     [[ $GEOMPI_FT_TIMEOUT =~ ^[0-9]+([.][0-9]+)?$ ]] \
