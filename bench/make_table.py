@@ -381,9 +381,9 @@ def render_failure(d: dict) -> list[str]:
     out = table(["figure (median, min-max)", "value", "goal", "met"], rows)
     out.append("")
     out.append(
-        f"{d['ranks']} ranks, HFA, {d['steps']} steps; the local server of datacenter 2 is "
-        f"killed at step {d['kill_at']}; {d['repeats']} interleaved repeats. Walls (s): "
-        + ", ".join(f"{k} {num(v['median'], 1)}" for k, v in w.items())
+        f"{d['ranks']} ranks, {d.get('sync', 'hfa').upper()}, {d['steps']} steps; the local "
+        f"server of datacenter 2 is killed at step {d['kill_at']}; {d['repeats']} interleaved "
+        "repeats. Walls (s): " + ", ".join(f"{k} {num(v['median'], 1)}" for k, v in w.items())
     )
     return out
 
@@ -423,6 +423,7 @@ RENDERERS = {
     "gs_bytes": render_gs_bytes,
     "wan_time_to_accuracy": render_wan_time_to_accuracy,
     "failure": render_failure,
+    "failure_fsa": render_failure,
     "ulfm_exit": render_ulfm_exit,
 }
 TITLES = {
@@ -435,6 +436,7 @@ TITLES = {
     "wan_time_to_accuracy": "Time to accuracy under an emulated WAN (100 Mbit/s, 25 ms)",
     "soak": "Soak: MixedSync + DCASGD for a fixed wall time, watching for leaks",
     "failure": "A datacenter lost mid-run: --on-failure continue against a checkpoint restart",
+    "failure_fsa": "The same with FSA (bench/failure.py --sync fsa)",
     "ulfm_exit": "Ending a job after a lost rank: how often mpirun --with-ft ulfm hangs",
 }
 
