@@ -614,7 +614,7 @@ class Synchronizer:
         MPI 5.0.11 reports a revoked communicator only at the round's wait (measured: pushes
         after the revocation posted without error), other MPI libraries may as the push is
         posted."""
-        if not (faults.watching() and faults.is_failure(err)):
+        if not faults.is_failure(err):
             raise err
         self._round_lost = err
 
@@ -705,9 +705,9 @@ class Synchronizer:
                 raise self._round_lost
             self._exchange()
         except Exception as e:  # noqa: BLE001 - a lost rank, under on_failure="continue"
-            if not (faults.watching() and faults.is_failure(e)):
+            if not faults.is_failure(e):
                 raise
-            self._complete_after_loss(e)
+            self._complete_after_loss()
         self._after_round()
 
     def _exchange(self) -> None:
@@ -953,16 +953,12 @@ class Synchronizer:
                 raise err
             if not self.algo.local_steps:  # FSA: the round itself was completed or redone
                 try:
-                    self._recover(err)
+                    self._recover()
                     return step
                 except Exception as again:  # noqa: BLE001 - lost another rank meanwhile
                     err = again
                     continue
-            # a leaving rank exits in there
-            loss = faults.recover(self.s.comms, self.s.topo, self.client.done_id)
-            self.rejoin(loss.topo)
-            if self.rejoined is not None:
-                self.rejoined(loss)
+            loss = self._rejoin_survivors()
             try:
                 step = self.agree_on_step(step)
                 self._record(loss, step + 1 if redo else step)  # the step trained, or saved
@@ -989,35 +985,38 @@ class Synchronizer:
             kept.copy_(t)
         self._kept_round = self.client.done_id
 
-    def _complete_after_loss(self, err: BaseException) -> None:
+    def _complete_after_loss(self) -> None:
         """FSA: a rank was lost during this worker's round. Every survivor recovers; if some
         worker completed the round, its results reach the others (_catch_up), else the
         survivors redo it with the gradients they pushed (the lost workers' left out)."""
         pending = self.client.round_id
         while True:
             try:
-                self._recover(err)
+                self._recover()
                 if self.client.done_id == pending:  # completed from a peer
                     return
                 self.reqs = self._start_round()  # the round again, in the new topology
                 self._exchange()
                 return
             except Exception as again:  # noqa: BLE001 - lost another rank meanwhile
-                if not (faults.watching() and faults.is_failure(again)):
+                if not faults.is_failure(again):
                     raise
-                err = again
 
-    def _recover(self, err: BaseException) -> faults.Loss:
-        """FSA's one recovery, on every worker wherever the loss met it (a round, or the CLI's
-        stop agreement, checkpoint or close): recover, rejoin, complete the last round on the
-        workers it did not reach, and say what was lost. Every worker's next round is then
-        the first after the last completed one."""
-        if not faults.is_failure(err):
-            raise err
+    def _rejoin_survivors(self) -> faults.Loss:
+        """Every survivor's first steps after a loss: recover (geompi.comm.faults; a rank whose
+        datacenter leaves exits in there), then this worker's and its caller's rebuilding."""
         loss = faults.recover(self.s.comms, self.s.topo, self.client.done_id)
         self.rejoin(loss.topo)
         if self.rejoined is not None:
             self.rejoined(loss)
+        return loss
+
+    def _recover(self) -> faults.Loss:
+        """FSA's one recovery, on every worker wherever the loss met it (a round, or the CLI's
+        stop agreement, checkpoint or close): recover, rejoin, complete the last round on the
+        workers it did not reach, and say what was lost. Every worker's next round is then
+        the first after the last completed one."""
+        loss = self._rejoin_survivors()
         caught_up = self._catch_up()
         self.client.round_id = loss.done
         # the first step trained without the lost ranks (a worker that caught up counts the
