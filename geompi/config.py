@@ -140,7 +140,7 @@ class RunConfig:
         return json.dumps(d, sort_keys=True)
 
     # ---- validation -----------------------------------------------------------------------
-    def validate(self, algorithm_later: bool = False) -> RunConfig:
+    def validate(self) -> RunConfig:
         """Check every setting that does not need the world or the data; returns self."""
         from geompi.data import DATASETS
         from geompi.models import MODELS, TEST_MODELS
@@ -212,7 +212,7 @@ class RunConfig:
             )
         if self.on_nonfinite not in ON_NONFINITE:
             raise ConfigError(f"unknown --on-nonfinite {self.on_nonfinite!r}: choose abort or skip")
-        self._check_on_failure(algorithm_later)
+        self._check_on_failure()
         if self.lan_reduce not in LAN_REDUCE:
             src = self.sources.get("lan_reduce", "--lan-reduce")
             raise ConfigError(
@@ -257,10 +257,9 @@ class RunConfig:
         self.wan_settings()
         return self
 
-    def _check_on_failure(self, algorithm_later: bool) -> None:
-        """``--on-failure continue``: so far FSA and HFA, under a ULFM launch, without the settings
-        whose state a recovery does not rebuild yet. ``algorithm_later`` (geompi.init): the
-        algorithm is checked when DistributedOptimizer names it (``check_survivable``)."""
+    def _check_on_failure(self) -> None:
+        """``--on-failure continue``: under a ULFM launch, without the settings whose state a
+        recovery does not rebuild yet (an algorithm's own: its ``check_survivable``)."""
         from geompi.comm.faults import ON_FAILURE, check_launch
 
         if self.on_failure not in ON_FAILURE:
@@ -269,11 +268,6 @@ class RunConfig:
             )
         if self.on_failure != "continue":
             return
-        if self.sync not in ("fsa", "hfa") and not algorithm_later:
-            raise ConfigError(
-                f"--on-failure continue is supported with --sync fsa and hfa so far, not "
-                f"--sync {self.sync}: use one of those, or --on-failure abort with checkpoints"
-            )
         refused = [
             ("--comm-timeout", self.comm_timeout is not None, "ULFM detects lost ranks itself"),
             ("--wan-compression", self.wan_settings().compression != "none",
@@ -618,8 +612,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument(
         "--on-failure",
         metavar="abort|continue",
-        help="on a lost rank: stop the job, or (FSA, HFA, under mpirun --with-ft ulfm) go on "
-        f"without it (default {d.on_failure})",
+        help="on a lost rank: stop the job, or (under mpirun --with-ft ulfm) go on without it "
+        f"(default {d.on_failure})",
     )
     return p
 

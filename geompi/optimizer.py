@@ -643,7 +643,7 @@ class Synchronizer:
         for b in self.buckets:
             b.grads.zero_()
         self.present_g.zero_()
-        if not (self.algo.local_steps or self.algo.independent_dcs):  # FSA: one round a step
+        if not self.algo.local_steps:  # FSA, MixedSync: one round a step
             self.client.step = self.global_syncs + 1
             if self.client.step == self._kill_at:
                 faults.kill_self(self.s.rank)
@@ -1018,22 +1018,41 @@ class Synchronizer:
         the first after the last completed one."""
         loss = self._rejoin_survivors()
         caught_up = self._catch_up()
-        self.client.round_id = loss.done
+        self.client.round_id = self._last_done(loss)
         # the first step trained without the lost ranks (a worker that caught up counts the
         # round it completed as the others did)
         self._record(loss, self.global_syncs + 1 + caught_up, caught_up)
         return loss
 
-    @torch.no_grad()
-    def _catch_up(self) -> bool:
-        """Collective over the workers after a recovery (FSA): the workers that the loss cut
-        off before their round's results arrived take them from the lowest-ranked worker they
-        reached (a loss cuts a round off between the two at most). Returns whether this one
-        did."""
+    def _last_done(self, loss: faults.Loss) -> int:
+        """The last round a surviving worker completed: FSA's rounds are the job's (``loss``
+        knows it); MixedSync's datacenters count their own, so it is this one's (collective
+        over its workers)."""
+        if not self.algo.independent_dcs:
+            return loss.done
         import numpy as np
         from mpi4py import MPI
 
-        comm = self.s.comms.all_workers
+        done = np.array([self.client.done_id], dtype=np.int64)
+        self.s.comms.workers.Allreduce(MPI.IN_PLACE, done, op=MPI.MAX)
+        return int(done[0])
+
+    def _peers(self):
+        """The workers that went through the same rounds: every worker (FSA), or this
+        datacenter's (MixedSync)."""
+        c = self.s.comms
+        return c.workers if self.algo.independent_dcs else c.all_workers
+
+    @torch.no_grad()
+    def _catch_up(self) -> bool:
+        """Collective over the workers after a recovery (FSA, MixedSync: over _peers): the
+        workers that the loss cut off before their round's results arrived take them from the
+        lowest-ranked worker they reached (a loss cuts a round off between the two at most).
+        Returns whether this one did."""
+        import numpy as np
+        from mpi4py import MPI
+
+        comm = self._peers()
         ids = np.array([self._kept_round, -self._kept_round], dtype=np.int64)
         comm.Allreduce(MPI.IN_PLACE, ids, op=MPI.MAX)
         latest, earliest = int(ids[0]), -int(ids[1])
@@ -1068,14 +1087,16 @@ class Synchronizer:
         """A survived loss in ``failures``, and its one line (from the master worker).
         ``caught_up``: this worker took the last round's results from another (FSA)."""
         self.failures.append(
-            {"step": at, "lost_ranks": loss.lost, "left_dcs": loss.left_dcs,
+            {"step": at, "lost_ranks": loss.lost_at_start, "left_dcs": loss.left_at_start,
              "lost_workers": loss.lost_workers, "topology": loss.topo.describe(),
              "results_from_peer": caught_up, "recovered_at": time.time()}
         )  # fmt: skip
         if self.master:
             from geompi.runtime import say
 
-            say(loss.describe(at))
+            # MixedSync's datacenters are each at their own step: the line gives the master's
+            step = f"{at} of datacenter 0" if self.algo.independent_dcs else at
+            say(loss.describe(step, self.algo.left_with))
 
     def agree_on_step(self, step: int) -> int:
         """Collective over every worker after a recovery: the latest step any of them reached

@@ -114,7 +114,7 @@ def init(comm=None, **settings) -> Session:
                 f"geompi.init() got unknown setting(s) {', '.join(unknown)}: "
                 f"choose from {', '.join(INIT_SETTINGS)}"
             )
-        cfg = make_config(**settings).validate(algorithm_later=True)
+        cfg = make_config(**settings).validate()
         cfg.wan_settings()  # GEOMPI_WAN_* variables: checked before any collective call
         return plan_topology(cfg, c)
 

@@ -167,7 +167,7 @@ class Worker:
 
         def rejoined(loss) -> None:  # after a recovery, wherever it met the loss
             self.topo = loss.topo
-            self.group = self.comms.all_workers
+            self.group = self.comms.workers if self.algo.independent_dcs else self.comms.all_workers
             stop.rejoin(self.group)
             self.client = self.engine.client
 
@@ -553,7 +553,7 @@ def _train(cfg: RunConfig, comm) -> dict | None:
             **totals,
             **_server_summary(servers),
             "time_split": time_split(per_rank),
-            "samples": node.samples * topo.num_workers + node.samples_of_lost,
+            "samples": _samples(node, topo, result, servers),
             "sync": cfg.sync,
             "topology": topo.describe(),
         }
@@ -601,10 +601,21 @@ def _server_summary(reports: list[dict]) -> dict:
     out = {"skipped_nonfinite": sum(r.get("skipped_nonfinite", 0) for r in reports)}
     gs0 = next((r for r in reports if r.get("global_server") == 0), {})
     out["global_updates"] = gs0.get("updates", 0)
-    if "dc_updates" in gs0:
+    if "dc_updates" in gs0:  # MixedSync
         out["dc_updates"] = gs0["dc_updates"]
+        out["samples_applied"] = gs0["samples_applied"]
         out.update({k: v for k, v in gs0.items() if "staleness" in k or k.startswith("updates_at")})
     return out
+
+
+def _samples(node, topo, result: dict, servers: list[dict]) -> int:
+    """The samples the final model has seen: every worker's; after a loss, plus those the
+    lost workers trained before it, or under MixedSync (whose datacenters are each at their own
+    step) the weights of every deposit the global servers applied."""
+    gs0 = next((r for r in servers if r.get("global_server") == 0), {})
+    if result.get("failures") and "samples_applied" in gs0:
+        return gs0["samples_applied"]
+    return node.samples * topo.num_workers + node.samples_of_lost
 
 
 def time_split(per_rank: list[dict]) -> dict[str, float]:

@@ -447,11 +447,6 @@ ULFM_LAUNCH = {"OMPI_MCA_mpi_ft_enable": "1", "OMPI_MCA_btl": "self,tcp"}
             "shared-memory transport (Open MPI's default transports)",
         ),
         (
-            ["--on-failure", "continue", "--sync", "mixed"],
-            ULFM_LAUNCH,
-            "--sync fsa and hfa so far, not --sync mixed",
-        ),
-        (
             ["--on-failure", "continue", "--comm-timeout", "5"],
             ULFM_LAUNCH,
             "--comm-timeout: ULFM detects lost ranks itself",
@@ -501,19 +496,17 @@ def test_on_failure_continue_through_init_checks_the_algorithm_later(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """geompi.init(on_failure="continue") names no algorithm: DistributedOptimizer checks it
-    (Algorithm.check_survivable), refusing all but FSA and plain HFA in one line."""
+    (Algorithm.check_survivable), refusing streaming and adaptive HFA in one line."""
     import geompi
 
     for var, value in ULFM_LAUNCH.items():
         monkeypatch.setenv(var, value)
-    make_config(env={}, on_failure="continue").validate(algorithm_later=True)
-    with pytest.raises(ConfigError, match="--sync fsa and hfa so far"):
-        make_config(env={}, sync="mixed", on_failure="continue").validate()
+    make_config(env={}, on_failure="continue").validate()
+    make_config(env={}, sync="mixed", on_failure="continue").validate()
     geompi.HFA(k1=2, k2=2, outer_optimizer="nesterov").check_survivable()
     geompi.FSA().check_survivable()
     geompi.FSA(optimizer="servers").check_survivable()
-    with pytest.raises(ConfigError, match="supported with FSA and HFA so far, not mixed"):
-        geompi.MixedSync().check_survivable()
+    geompi.MixedSync(dcasgd=True).check_survivable()
     for algo in (geompi.HFA(fragments=2), geompi.HFA(k2=2, adaptive=True)):
         with pytest.raises(ConfigError, match="not supported together yet"):
             algo.check_survivable()

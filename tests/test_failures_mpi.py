@@ -326,3 +326,147 @@ def test_the_public_api_survives_fsa_losses(tmp_path):
     assert master["failures"][1]["results_from_peer"]
     assert not (tmp_path / "w1.pt").exists() and not (tmp_path / "w3.pt").exists()
     assert max_abs_diff(api_fsa_reference(lost=()), expected) > 1e-4
+
+
+MIXED_LOSSES = {  # (rank 4: local server of datacenter 1; rank 6: a worker of datacenter 2)
+    "GEOMPI_FAULT_KILL_MID": "4:4",  # lost once it has deposited its step-4 round
+    "GEOMPI_FAULT_KILL_AT": "8:6",  # lost as it begins step 8
+}
+
+
+def mixed_alive(d: int, k: int, drop_worker: bool = True) -> list[int]:
+    """The workers (indices) whose batches make datacenter d's k-th deposit in that run."""
+    return {0: [0, 1], 1: [2], 2: [3] if drop_worker and k >= 8 else [3, 4]}[d]
+
+
+def mixed_replay(logs: list[dict], lam: float = 2.0, drop_worker: bool = True):
+    """``tests/progs/dc_lost.py mixed`` replayed in one process from each global server's logged
+    deposit order (GEOMPI_TEST_DEPOSIT_LOG), written without geompi's servers: DCASGD (lr 0.1,
+    ``lam``) on each owner's elements; the k-th deposit of datacenter d (numbered as launched)
+    is the sample-weighted mean gradient of its workers' k-th batches at the parameters its
+    (k-1)-th deposit fetched from every owner. Returns the final state_dict."""
+    from geompi.comm.buckets import Buckets
+    from geompi.models import build_model
+    from tests.reference import worker_loaders
+
+    ds, loaders = worker_loaders("digits", 5, batch_size=7, seed=4)
+    batches = [[loader.next_batch() for _ in range(12)] for loader in loaders]
+    torch.manual_seed(4)
+    model = build_model("mlp", ds.input_shape, ds.num_classes)
+    buckets = Buckets(list(model.named_parameters()), int(0.03 * 2**20))  # dc_lost.py's keys
+    flat = lambda ts: torch.cat([t.reshape(-1) for t in ts])  # noqa: E731
+    v0 = flat([b.params for b in buckets.buckets]).clone()
+    starts = [0]
+    for b in buckets.buckets:
+        starts.append(starts[-1] + b.numel)
+    owned = []  # per owner: which elements of the flat vector it holds
+    for log in logs:
+        mask = torch.zeros_like(v0, dtype=torch.bool)
+        for b in buckets.buckets:
+            lo, hi = log["bounds"][str(b.key)]
+            mask[starts[b.key] + lo : starts[b.key] + hi] = True
+        owned.append(mask)
+    assert bool((owned[0] ^ owned[1]).all())  # each element has one owner
+
+    def gradient(d: int, held: torch.Tensor, k: int) -> torch.Tensor:
+        with torch.no_grad():
+            for b in buckets.buckets:
+                b.params.copy_(held[starts[b.key] : starts[b.key + 1]])
+        total, n = torch.zeros_like(v0), 0
+        for w in mixed_alive(d, k, drop_worker):
+            x, y = batches[w][k - 1]
+            model.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            total += flat([p.grad for b in buckets.buckets for _, p, _ in b.members]) * len(y)
+            n += len(y)
+        return total / n
+
+    weights = [log_w.clone() for log_w in [v0] * len(logs)]
+    backup = [{d: v0.clone() for d in range(3)} for _ in logs]
+    results: dict[tuple[int, int, int], torch.Tensor] = {}
+    done = [{d: 0 for d in range(3)} for _ in logs]
+    pos = [0] * len(logs)
+    while any(p < len(log["deposits"]) for p, log in zip(pos, logs)):
+        moved = False
+        for g, log in enumerate(logs):
+            if pos[g] == len(log["deposits"]):
+                continue
+            d = log["deposits"][pos[g]]["dc"]
+            k = done[g][d] + 1
+            if k > 1 and not all((h, d, k - 1) in results for h in range(len(logs))):
+                continue  # that datacenter's previous results are not complete yet
+            held = v0
+            if k > 1:
+                held = torch.where(owned[0], results[(0, d, k - 1)], results[(1, d, k - 1)])
+            grad, w = gradient(d, held, k), weights[g]
+            step = grad + lam * grad * grad * (w - backup[g][d])
+            w.add_(step, alpha=-0.1)
+            backup[g][d] = w.clone()
+            results[(g, d, k)] = w.clone()
+            done[g][d], pos[g], moved = k, pos[g] + 1, True
+        assert moved, "the logged orders contradict each other"
+    final = torch.where(owned[0], weights[0], weights[1])
+    with torch.no_grad():
+        for b in buckets.buckets:
+            b.params.copy_(final[starts[b.key] : starts[b.key + 1]])
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_mixedsync_survives_a_lost_local_server_then_a_lost_worker(tmp_path):
+    """MixedSync (DCASGD on 2 global servers) loses the local server of datacenter 1 right
+    after it deposited its step-4 round, then a worker of datacenter 2 (renumbered 1 by then)
+    at step 8. The job ends with exit 0; each loss is one line naming the ranks as launched;
+    every deposit made is applied exactly once (the lost datacenter's last one included, the
+    round the survivors redo not twice); and the final model equals a one-process replay of
+    the logged deposit order (1e-5), whose per-datacenter DCASGD backups the renumbering
+    must keep apart."""
+    env = {**ULFM_ENV, **MIXED_LOSSES, "GEOMPI_TEST_DEPOSIT_LOG": str(tmp_path)}
+    res = mpirun(10, [prog("dc_lost.py"), "mixed", str(tmp_path)], 180, env=env, launcher=ULFM)
+    first, second = [ln for ln in res.stderr.splitlines() if ln.startswith("geompi: lost")]
+    assert "lost rank(s) 4 (local server of datacenter 1) at step " in first, first
+    assert " of datacenter 0; " in first  # the master's step: each datacenter is at its own
+    assert "datacenter(s) 1 left the job with the round under way" in first
+    assert "going on with 2 datacenter(s), 4 worker(s), 8 rank(s)" in first
+    assert "lost rank(s) 6 (worker of datacenter 2) at step " in second, second
+    assert "the data shard(s) of worker rank(s) 6 dropped" in second
+    assert "going on with 2 datacenter(s), 3 worker(s), 7 rank(s)" in second
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    f1, f2 = summary["failures"]
+    assert (f1["lost_ranks"], f1["left_dcs"], f1["lost_workers"]) == ([4], [1], 1)
+    assert (f2["lost_ranks"], f2["left_dcs"], f2["lost_workers"]) == ([6], [], 1)
+    assert summary["steps"] == 12 and summary["topology"]["dc_sizes"] == [3, 2]
+    logs = [json.loads((tmp_path / f"deposits-g{g}.json").read_text()) for g in (0, 1)]
+    for log in logs:
+        counts = [sum(e["dc"] == d for e in log["deposits"]) for d in range(3)]
+        assert counts == [12, 4, 12], counts
+    # what the model saw: datacenter 0's 2 workers, 1's one for 4 steps, 2's two for 7 then one
+    assert summary["samples"] == summary["samples_applied"] == 7 * (2 * 12 + 4 + 2 * 7 + 5)
+    assert max_abs_diff(torch.load(tmp_path / "model.pt"), mixed_replay(logs)) <= 1e-5
+    # the check can fail: without the lost worker's drop, or DCASGD's backups, it misses
+    assert max_abs_diff(mixed_replay(logs, drop_worker=False), mixed_replay(logs)) > 1e-4
+    assert max_abs_diff(mixed_replay(logs, lam=0.0), mixed_replay(logs)) > 1e-4
+
+
+def test_the_public_api_survives_a_lost_datacenter_under_mixedsync(tmp_path):
+    """geompi.init(on_failure="continue") and MixedSync with the user's SGD (momentum, a new
+    learning rate every step) on the global servers: the local server of datacenter 2 is lost
+    at step 4. The survivors end with
+    exit 0 on one final global model, each deposit made is applied once on both global servers
+    (datacenter 2's 3 before the loss), and every survivor records the loss."""
+    env = {**ULFM_ENV, "GEOMPI_FAULT_KILL_AT": "4:7", "GEOMPI_TEST_DEPOSIT_LOG": str(tmp_path)}
+    res = mpirun(10, [prog("api_dc_lost.py"), str(tmp_path), "mixed"], 180, env=env, launcher=ULFM)
+    (line,) = [ln for ln in res.stderr.splitlines() if ln.startswith("geompi: lost")]
+    assert "7 (local server of datacenter 2) at step " in line and "datacenter(s) 2 left" in line
+    for g in (0, 1):
+        log = json.loads((tmp_path / f"deposits-g{g}.json").read_text())
+        counts = [sum(e["dc"] == d for e in log["deposits"]) for d in range(3)]
+        assert counts == [12, 12, 3], counts
+    final = torch.load(tmp_path / "w0.pt")
+    for w in (0, 1, 2):
+        assert max_abs_diff(torch.load(tmp_path / f"w{w}.pt"), final) == 0.0, w
+        (failure,) = json.loads((tmp_path / f"w{w}.json").read_text())["failures"]
+        assert failure["lost_ranks"] == [7] and failure["left_dcs"] == [2]
+    assert not (tmp_path / "w3.pt").exists() and not (tmp_path / "w4.pt").exists()
+    from tests.progs.api_common import make_model
+
+    assert max_abs_diff(final, make_model(seed=1).state_dict()) > 1e-3  # it trained

@@ -305,6 +305,27 @@ def test_surviving_topology_keeps_a_datacenter_with_workers_left() -> None:
     assert left == [] and after.dc_sizes == (2, 2, 2) and after.world_size == 8
 
 
+def test_a_second_loss_is_named_as_the_job_was_launched() -> None:
+    """After datacenter 1 left, the world and the datacenters are renumbered; the line and the
+    failure record still name the ranks and datacenters by their numbers at the job's start."""
+    from geompi.comm.faults import Loss, surviving_topology
+
+    start = Topology.plan(10, dc_sizes=[3, 2, 3], global_servers=2)
+    first, left = surviving_topology(start, {4})  # the local server of datacenter 1
+    assert left == [1] and first.dc_sizes == (3, 3)
+    second, _ = surviving_topology(first, {4})  # now rank 4: rank 6, a worker of datacenter 2
+    names = [0, 1, 2, 5, 6, 7, 8, 9]  # the job-start rank of each rank of ``first``
+    loss = Loss([4], [], second, first, rank_names=names, dc_names=[0, 2])
+    line = loss.describe(8)
+    assert line.startswith("geompi: lost rank(s) 6 (worker of datacenter 2) at step 8"), line
+    assert "the data shard(s) of worker rank(s) 6 dropped" in line
+    assert loss.lost_at_start == [6] and loss.left_at_start == []
+    gone = Loss([4, 5], [1], surviving_topology(first, {4, 5})[0], first, -1, names, [0, 2])
+    assert gone.left_at_start == [2] and "datacenter(s) 2 left the job" in gone.describe()
+    plain = Loss([4], [1], first, start)  # the first loss: numbers as they are
+    assert plain.lost_at_start == [4] and "4 (local server of datacenter 1)" in plain.describe()
+
+
 @pytest.mark.parametrize("lost", [{8}, {0}, {2}, {0, 1}])
 def test_surviving_topology_refuses_what_the_job_cannot_lose(lost: set[int]) -> None:
     """A global server (its shard) or datacenter 0 (rank 0, the master worker)."""

@@ -109,6 +109,9 @@ def is_failure(err: BaseException) -> bool:
     return _world is not None and isinstance(err, MPI.Exception)
 
 
+HFA_LEFT_WITH = "their updates since the last global average"
+
+
 @dataclass
 class Loss:
     """What one recovery found, the same on every survivor."""
@@ -121,31 +124,47 @@ class Loss:
     # server undoes a later one it began, and the workers that did not complete this one take
     # its results from one that did (FSA)
     done: int = -1
+    # the numbers at the job's start of the ranks and datacenters of ``before`` (a second
+    # loss is named as the first: as the user launched the job)
+    rank_names: list[int] | None = None
+    dc_names: list[int] | None = None
+
+    @property
+    def lost_at_start(self) -> list[int]:
+        """The lost ranks, numbered as at the job's start."""
+        return [self.rank_names[r] for r in self.lost] if self.rank_names else list(self.lost)
+
+    @property
+    def left_at_start(self) -> list[int]:
+        """The datacenters that left, numbered as at the job's start."""
+        names = self.dc_names
+        return [names[d] for d in self.left_dcs] if names else list(self.left_dcs)
 
     @property
     def lost_workers(self) -> int:
         """How many workers the job lost (those of a datacenter that left included)."""
         return self.before.num_workers - self.topo.num_workers
 
-    def describe(self, step: int | None = None) -> str:
-        """The one line a recovery prints (from the new rank 0)."""
+    def describe(self, step: int | str | None = None, left_with: str = HFA_LEFT_WITH) -> str:
+        """The one line a recovery prints (from the new rank 0); ``left_with``: what a
+        datacenter that left took with it (the algorithm says)."""
         b = self.before
+        rank = dict(zip(self.lost, self.lost_at_start))
+        dc_name = self.dc_names or list(range(b.num_dcs))
         parts = []
         for r in self.lost:
             role = b.role(r).value
             dc = b.dc_of(r)
-            parts.append(f"{r} ({role}{'' if dc is None else f' of datacenter {dc}'})")
+            of = "" if dc is None else f" of datacenter {dc_name[dc]}"
+            parts.append(f"{rank[r]} ({role}{of})")
         at = "" if step is None else f" at step {step}"
         msg = f"geompi: lost rank(s) {', '.join(parts)}{at}"
         if self.left_dcs:
-            dcs = ", ".join(map(str, self.left_dcs))
-            msg += (
-                f"; datacenter(s) {dcs} left the job with their updates since the last global "
-                "average"
-            )
-        dropped = [r for r in self.lost if b.dc_of(r) not in self.left_dcs]
+            dcs = ", ".join(map(str, self.left_at_start))
+            msg += f"; datacenter(s) {dcs} left the job with {left_with}"
+        dropped = [str(rank[r]) for r in self.lost if b.dc_of(r) not in self.left_dcs]
         if dropped:
-            msg += f"; the data shard(s) of worker rank(s) {', '.join(map(str, dropped))} dropped"
+            msg += f"; the data shard(s) of worker rank(s) {', '.join(dropped)} dropped"
         t = self.topo
         return msg + (
             f"; going on with {t.num_dcs} datacenter(s), {t.num_workers} worker(s), "
@@ -186,14 +205,14 @@ def surviving_topology(topo: Topology, lost: set[int]) -> tuple[Topology, list[i
 
 
 def fault_step(var: str, rank: int, env=os.environ) -> int:
-    """A test hook's step for this rank: ``VAR=STEP:RANK[,RANK...]`` (RANK defaults to 0),
-    else -1. GEOMPI_FAULT_KILL_AT makes those ranks SIGKILL themselves as the round of STEP
-    reaches them."""
-    spec = env.get(var, "")
-    if not spec:
-        return -1
-    step, _, ranks = spec.partition(":")
-    return int(step) if rank in [int(r) for r in (ranks or "0").split(",")] else -1
+    """A test hook's step for this rank: ``VAR=STEP:RANK[,RANK...][;STEP:RANK...]`` (RANK
+    defaults to 0), else -1. GEOMPI_FAULT_KILL_AT makes those ranks SIGKILL themselves as the
+    round of STEP reaches them."""
+    for part in env.get(var, "").split(";"):
+        step, _, ranks = part.partition(":")
+        if step and rank in [int(r) for r in (ranks or "0").split(",")]:
+            return int(step)
+    return -1
 
 
 def kill_self(rank: int) -> None:
@@ -211,6 +230,9 @@ _finalize_skipped = False
 
 
 _last_world = None  # the world the last recovery built (None on a rank that left)
+# After a recovery: the job-start numbers of the world's ranks and of the datacenters
+_rank_names: list[int] | None = None
+_dc_names: list[int] | None = None
 _GOODBYE_S = 30.0  # at most this long for every survivor to reach the end
 _FLUSH_S = 0.3  # then this long driving MPI progress, so the last messages leave
 
@@ -310,7 +332,7 @@ def recover(comms: Communicators, topo: Topology, done: int = -1) -> Loss:
     import numpy as np
     from mpi4py import MPI
 
-    global _last_world
+    global _last_world, _rank_names, _dc_names
     revoke_all(comms)
     old = comms.world
     shrunk = old.Shrink()
@@ -337,4 +359,8 @@ def recover(comms: Communicators, topo: Topology, done: int = -1) -> Loss:
     _last_world = comms.world
     latest = np.array([done], dtype=np.int64)
     comms.world.Allreduce(MPI.IN_PLACE, latest, op=MPI.MAX)
-    return Loss(sorted(lost), left, new_topo, topo, int(latest[0]))
+    rank_names = _rank_names or list(range(old.Get_size()))
+    dc_names = _dc_names or list(range(topo.num_dcs))
+    _rank_names = comms.world.allgather(rank_names[me])
+    _dc_names = [dc_names[d] for d in range(topo.num_dcs) if d not in left]
+    return Loss(sorted(lost), left, new_topo, topo, int(latest[0]), rank_names, dc_names)

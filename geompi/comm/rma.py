@@ -20,6 +20,7 @@ from collections.abc import Callable
 import numpy as np
 from mpi4py import MPI
 
+from geompi.comm import faults
 from geompi.comm.transport import WAN, LinkStats, Watchdog
 
 # ctrl layout
@@ -113,6 +114,8 @@ class SlotWindows:
                 self.stats.wait_s[WAN] += time.perf_counter() - t0 - held
                 return ctrl
             watch.check()
+            if faults.world_revoked():  # --on-failure continue: a survivor began a recovery
+                raise faults.PeerLost(f"another rank began a recovery while waiting for {what}")
             time.sleep(pause)
             pause = min(pause * 2, 2e-3)
 

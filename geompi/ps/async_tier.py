@@ -19,13 +19,14 @@ import time
 import numpy as np
 import torch
 
-from geompi.comm import heartbeat
+from geompi.comm import faults, heartbeat
 from geompi.comm.rma import (
     ALL_DONE,
     DONE,
     FLAGS,
     PENDING,
     SAVE_REQUEST,
+    TICKETS,
     UPDATES,
     VERSION,
     WEIGHT,
@@ -114,6 +115,15 @@ class StalenessStats:
         self.total[dc] += staleness
         self.max[dc] = max(self.max[dc], staleness)
 
+    def renumber(self, kept: list[int]) -> None:
+        """Keep the figures of the datacenters ``kept`` (old numbers), in their order (after a
+        recovery); the histogram keeps every deposit applied."""
+        self.count = [self.count[d] for d in kept]
+        self.total = [self.total[d] for d in kept]
+        self.max = [self.max[d] for d in kept]
+        if self.at_first_done is not None:
+            self.at_first_done = [self.at_first_done[d] for d in kept]
+
     def first_done(self, applied: list[int]) -> None:
         """The deposits applied per datacenter when the first one finished (once)."""
         if self.at_first_done is None:
@@ -148,6 +158,17 @@ class AsyncUplink:
         self.max_staleness = max_staleness
         self.keys: dict[int, int] = {}  # key -> numel, from INIT rounds
         self.wins: list[SlotWindows] | None = None
+        # --on-failure continue: the round of the last deposit and its hyperparameters (JSON,
+        # or ""); after a recovery the workers redo the round they were in, which is not
+        # deposited again if it was (redo_of), as the global servers have applied it
+        self.deposited_round: int | None = None
+        self.last_spec = ""
+        self.redo_of: int | None = None
+        self.redo = False
+        # test hook (GEOMPI_FAULT_KILL_MID, set by the local server): (step, world rank) lost
+        # once that step's deposit is made
+        self.kill_deposited = (-1, -1)
+        self._abandoned: list[SlotWindows] = []  # a lost rank's windows: never freed
 
     # The same begin / send_key / end / receive steps as SyncUplink. INIT rounds go through the
     # synchronous tier; gradient rounds are collected, then deposited in one go at ``end``.
@@ -162,6 +183,7 @@ class AsyncUplink:
         self._open()
         self.bufs: list[torch.Tensor | None] = [None] * len(rnd.keys)
         self.spec = spec  # new hyperparameters from the datacenter's first worker, or None
+        self.redo, self.redo_of = self.redo_of is not None and rnd.round_id == self.redo_of, None
 
     def send_key(self, i: int, buf: torch.Tensor) -> None:
         if self.rnd.op is Op.INIT:
@@ -172,6 +194,8 @@ class AsyncUplink:
     def end(self, weight: float) -> None:
         if self.rnd.op is Op.INIT:
             self.sync.end(weight)
+            return
+        if self.redo:  # deposited before a loss, and applied: receive() fetches its results
             return
         self._respect_staleness()
         keys, bufs, flags = self.rnd.keys, self.bufs, self.rnd.flags
@@ -197,6 +221,10 @@ class AsyncUplink:
             if due is not None:
                 self.sync.link.stats.held(WAN, wan.up.hold_until(due[g]))
             win.deposit(self.dc, packed[g].numpy(), weight, flags, ids)
+        self.deposited_round = self.rnd.round_id
+        self.last_spec = self.spec.decode() if self.spec else ""
+        if self.rnd.step == self.kill_deposited[0]:
+            faults.kill_self(self.kill_deposited[1])
 
     def receive(self, outs: list[torch.Tensor]) -> list[Requests]:
         if self.rnd.op is Op.INIT:
@@ -211,7 +239,7 @@ class AsyncUplink:
             win.fetch(self.dc, packed.numpy())
             self._hold_fetch(burst, packed.numel() * 4)
             self._unpack(g, keys, outs, packed, self.sync.codec, plain)
-        if self.spec:  # applied, so received
+        if self.spec and not self.redo:  # applied, so received
             self.spec_sends.wait()
         return [Requests(self.sync.link.stats) for _ in outs]  # already complete
 
@@ -245,13 +273,36 @@ class AsyncUplink:
         for win in self.wins:
             win.free()
 
-    def _open(self) -> None:
+    def rejoin(self, link, topo: Topology) -> None:
+        """After a recovery (--on-failure continue): this datacenter renumbered, the windows
+        made again over the rebuilt global tier (the global servers first apply every deposit
+        made, this one's last included, with the hyperparameters sent here)."""
+        self.sync.rejoin(link, topo)
+        self.topo, self.dc = topo, link.comm.Get_rank()
+        if self.wins is None:  # still synchronous (INIT rounds)
+            return
+        self._abandoned += self.wins
+        self.redo_of = self.deposited_round
+        sends = Requests(link.stats, None, "the global servers to take the rejoin")
+        for g in range(topo.num_global_servers):
+            isend_state(
+                sends, link.comm, self.last_spec, topo.num_dcs + g, TAG_REJOIN_SPEC, link.stats
+            )
+        self.wins = None
+        self._open(announce=False)
+        barrier(link.comm, None, "the global servers to rejoin MixedSync's tier")
+        sends.wait()
+
+    def _open(self, announce: bool = True) -> None:
+        """The windows (collective over the global tier), after an ASYNC header
+        (``announce``) that moves the global servers to them."""
         if self.wins is not None:
             return
         keys = sorted(self.keys.items())
         if len(keys) > MAX_KEYS:
             raise ConfigError(f"MixedSync carries at most {MAX_KEYS} keys: use fewer, larger keys")
-        self.sync.send_header(Round(Op.ASYNC, 0, keys))
+        if announce:
+            self.sync.send_header(Round(Op.ASYNC, 0, keys))
         self.wins = _open_windows(
             self.sync.link.comm,
             self.topo,
@@ -320,6 +371,8 @@ class AsyncUplink:
 
 
 TAG_CUT = 23  # on global_comm, between global servers: the deposits each has applied
+# on global_comm after a recovery: a local server's last deposit's hyperparameters (or "")
+TAG_REJOIN_SPEC = 26
 
 
 def _codec(codec: TierCodec | None, i: int, plain) -> TierCodec | None:
@@ -344,12 +397,32 @@ class AsyncGlobalServer(GlobalServer):
 
     def run(self) -> None:
         while True:  # synchronous until every local server sent ASYNC (or STOP)
-            rnd = self.serve_round()
-            if rnd is None or rnd.op is Op.ASYNC:
+            try:
+                rnd = self.serve_round()
+                if rnd is None:
+                    return
+                if rnd.op is Op.ASYNC:
+                    self._start_async(rnd.keys)
+                    break
+            except Exception as e:  # noqa: BLE001 - a lost rank, under --on-failure continue
+                if not faults.is_failure(e):
+                    raise
+                self.rejoin(faults.recover(self.comms, self.topo))
+        while True:
+            try:
+                self._serve_async()
                 break
-        if rnd is None:
-            return
-        keys = self.key_sizes = rnd.keys
+            except Exception as e:  # noqa: BLE001 - a lost rank, under --on-failure continue
+                if not faults.is_failure(e):
+                    raise
+                self._rejoin_async(faults.recover(self.comms, self.topo))
+        self._write_deposit_log()
+        if self.final_snapshot:  # every deposit of every datacenter: the same on every owner
+            self.send_snapshot()
+
+    def _start_async(self, keys: list[tuple[int, int]]) -> None:
+        """The windows, and the per-datacenter state of the asynchronous tier."""
+        self.key_sizes = keys
         self.offsets = {}
         off = 0
         for k, n in keys:
@@ -366,6 +439,7 @@ class AsyncGlobalServer(GlobalServer):
         self.staleness = StalenessStats(self.topo.num_dcs)  # bounded, however long the run
         self.last_version = [0] * self.topo.num_dcs
         self.applied = [0] * self.topo.num_dcs  # deposits applied per datacenter (this run)
+        self.samples_applied = 0.0  # their weights: the samples the model has seen (this run)
         # Each datacenter's deposits are stepped with its own hyperparameters: the job's
         # until its first worker sends new ones (FLAG_SPEC), as a schedule changes them.
         opt = self.optimizer
@@ -375,10 +449,73 @@ class AsyncGlobalServer(GlobalServer):
         self.mean_init: dict[int, torch.Tensor] = {}
         # applied order: what GEOMPI_TEST_DEPOSIT_LOG writes (kept only then: it grows)
         self.deposits: list[dict] | None = [] if os.environ.get("GEOMPI_TEST_DEPOSIT_LOG") else None
-        self._serve_async()
-        self._write_deposit_log()
-        if self.final_snapshot:  # every deposit of every datacenter: the same on every owner
-            self.send_snapshot()
+        self.dc_names = list(range(self.topo.num_dcs))  # each one's number at the job's start
+        self._abandoned: list[SlotWindows] = []  # a lost rank's windows: never freed
+
+    def _rejoin_async(self, loss: faults.Loss) -> None:
+        """After a recovery (--on-failure continue): every deposit already made is applied (the
+        lost datacenters' too), the surviving datacenters are renumbered as the new topology
+        numbers them, and the windows are made again over the rebuilt global tier, holding what
+        the old ones held: each datacenter's last results, its counters."""
+        kept = [d for d in range(self.topo.num_dcs) if d not in loss.left_dcs]
+        self._before = None  # nothing to undo: each applied deposit stands
+        self.rejoin(loss)
+        comm = self.link.comm
+        what = "the local servers to rejoin MixedSync's tier"
+        specs = [
+            recv_state(comm, ls, TAG_REJOIN_SPEC, self.stats, None, what)
+            for ls in range(len(kept))  # the surviving local servers, renumbered
+        ]
+        ctrl = self._counters()
+        for d in range(len(self.dc_names)):
+            if per_dc(ctrl, d, PENDING) > 0:  # a lost datacenter's new hyperparameters: gone
+                self._apply_deposit(d, ctrl, spec=specs[kept.index(d)] if d in kept else "")
+        self._renumber(kept)
+        self._reopen_windows(kept)
+        barrier(comm, None, what)
+
+    def _counters(self) -> np.ndarray:
+        """A copy of this owner's counters."""
+        self.win.lock_self()
+        ctrl = self.win.ctrl.copy()
+        self.win.unlock_self()
+        return ctrl
+
+    def _reopen_windows(self, kept: list[int]) -> None:
+        """New windows over the rebuilt global tier (collective), holding what the old one held
+        for the datacenters ``kept`` (old numbers), renumbered: each one's last results and
+        counters; no deposit pending, no save requested."""
+        old, ctrl = self.win, self._counters()
+        self._abandoned += self.wins
+        self.wins = _open_windows(
+            self.link.comm, self.topo, self.key_sizes, self.stats, None, self.codec
+        )
+        self.win = new = self.wins[self.index]
+        new.lock_self()
+        new.ctrl[VERSION], new.ctrl[TICKETS] = ctrl[VERSION], ctrl[TICKETS]
+        for i, d in enumerate(kept):
+            for field in (UPDATES, DONE):
+                set_per_dc(new.ctrl, i, field, per_dc(ctrl, d, field))
+        new.unlock_self()
+        new.data_lock()
+        for i, d in enumerate(kept):
+            new.slot(i)[:] = old.slot(d)
+        new.data_unlock()
+
+    def _renumber(self, kept: list[int]) -> None:
+        """Per-datacenter state, for the datacenters ``kept`` (old numbers), in their order."""
+        new = {d: i for i, d in enumerate(kept)}
+        self.dc_names = [self.dc_names[d] for d in kept]
+        self.last_version = [self.last_version[d] for d in kept]
+        self.applied = [self.applied[d] for d in kept]
+        self.dc_hyper = {new[d]: h for d, h in self.dc_hyper.items() if d in new}
+        self.dc_means = {
+            k: {new[d]: m for d, m in means.items() if d in new}
+            for k, means in self.dc_means.items()
+        }
+        self.staleness.renumber(kept)
+        if self.optimizer is not None:
+            self.optimizer.renumber_dcs(new)
 
     def _serve_async(self) -> None:
         win, ndc = self.win, self.topo.num_dcs
@@ -389,9 +526,9 @@ class AsyncGlobalServer(GlobalServer):
         watch = Watchdog(timeout, "deposits from the datacenters")
         while True:
             watch.check()
-            win.lock_self()
-            ctrl = win.ctrl.copy()
-            win.unlock_self()
+            if faults.world_revoked():  # --on-failure continue: a survivor began a recovery
+                raise faults.PeerLost("another rank began a recovery while serving deposits")
+            ctrl = self._counters()
             if ctrl[SAVE_REQUEST]:
                 self._save_at_cut()
                 win.lock_self()
@@ -422,9 +559,7 @@ class AsyncGlobalServer(GlobalServer):
         cut = self._agree_cut()
         pause = 2e-5
         while self.applied != cut:
-            self.win.lock_self()
-            ctrl = self.win.ctrl.copy()
-            self.win.unlock_self()
+            ctrl = self._counters()
             due = [
                 d
                 for d in range(self.topo.num_dcs)
@@ -459,7 +594,9 @@ class AsyncGlobalServer(GlobalServer):
         sends.wait()
         return cut
 
-    def _apply_deposit(self, d: int, ctrl: np.ndarray) -> None:
+    def _apply_deposit(self, d: int, ctrl: np.ndarray, spec: str | None = None) -> None:
+        """Apply datacenter d's pending deposit (``spec``: its new hyperparameters where they
+        cannot be received, after a recovery; see _use_hyperparameters)."""
         win = self.win
         keys = deposit_keys(ctrl, d)
         weight, flags = per_dc(ctrl, d, WEIGHT), int(per_dc(ctrl, d, FLAGS))
@@ -475,7 +612,7 @@ class AsyncGlobalServer(GlobalServer):
         if pos is not None:
             regions.insert(0, regions.pop(pos))
         self._present = None
-        self._use_hyperparameters(d, flags)
+        self._use_hyperparameters(d, flags, spec)
         win.data_lock()
         version = int(win.ctrl[VERSION])
         for k, at, codec in regions:
@@ -498,7 +635,10 @@ class AsyncGlobalServer(GlobalServer):
         self.staleness.record(d, version - self.last_version[d])
         ticket = int(per_dc(ctrl, d, PENDING))
         if self.deposits is not None:
-            self.deposits.append({"dc": d, "ticket": ticket, "weight": float(weight), "keys": keys})
+            self.deposits.append(
+                {"dc": self.dc_names[d], "ticket": ticket, "weight": float(weight), "keys": keys,
+                 "in_recovery": spec is not None}
+            )  # fmt: skip
         win.lock_self()
         win.ctrl[VERSION] = version + 1
         set_per_dc(win.ctrl, d, UPDATES, per_dc(win.ctrl, d, UPDATES) + 1)
@@ -506,6 +646,7 @@ class AsyncGlobalServer(GlobalServer):
         win.unlock_self()
         self.last_version[d] = version + 1
         self.applied[d] += 1
+        self.samples_applied += weight
 
     def apply_mean(self, key: int, total: torch.Tensor, weight: float, dc=None) -> None:
         """A datacenter's buffers (a mean key): kept per datacenter, and what it fetches back
@@ -526,15 +667,17 @@ class AsyncGlobalServer(GlobalServer):
                 value = sum(m * (w / total) for _, (w, m) in sorted(means.items()))
                 self.values[key].copy_(value)
 
-    def _use_hyperparameters(self, d: int, flags: int) -> None:
+    def _use_hyperparameters(self, d: int, flags: int, text: str | None = None) -> None:
         """Step datacenter d's deposit with its own hyperparameters (received first, if this
-        deposit brings new ones)."""
-        if flags & FLAG_SPEC:
-            text = recv_state(
-                self.link.comm, d, TAG_DEPOSIT_SPEC, self.stats,
-                live_timeout(getattr(self, "timeout", None)),
-                f"the hyperparameters of datacenter {d}",
-            )  # fmt: skip
+        deposit brings new ones and ``text`` is not them). ``text`` "": they cannot arrive (a
+        lost datacenter's last deposit), so it is stepped with those it had before."""
+        if flags & FLAG_SPEC and text != "":
+            if text is None:
+                text = recv_state(
+                    self.link.comm, d, TAG_DEPOSIT_SPEC, self.stats,
+                    live_timeout(getattr(self, "timeout", None)),
+                    f"the hyperparameters of datacenter {d}",
+                )  # fmt: skip
             if not isinstance(text, str):
                 raise ProtocolError(f"datacenter {d} sent hyperparameters that are not JSON text")
             spec = json.loads(text)
@@ -588,4 +731,5 @@ class AsyncGlobalServer(GlobalServer):
             **super().report(),
             **self.staleness.as_dict(),
             "dc_updates": [int(per_dc(ctrl, d, UPDATES)) for d in range(self.topo.num_dcs)],
+            "samples_applied": int(self.samples_applied),
         }

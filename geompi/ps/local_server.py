@@ -275,6 +275,9 @@ class LocalServer:
         # test hook: lost once its first key of that step's round has gone up (a round the
         # global servers have begun to apply)
         self._kill_mid = faults.fault_step("GEOMPI_FAULT_KILL_MID", comms.world.Get_rank())
+        if hasattr(self.uplink, "kill_deposited"):  # MixedSync: lost once it has deposited
+            self.uplink.kill_deposited = (self._kill_mid, comms.world.Get_rank())
+            self._kill_mid = -1
         # test hook: lost as that step's checkpoint (SAVE) round reaches it
         self._kill_save = faults.fault_step("GEOMPI_FAULT_KILL_SAVE", comms.world.Get_rank())
 

@@ -255,6 +255,14 @@ class ServerOptimizer:
         else:
             bak.copy_(held)
 
+    def renumber_dcs(self, new: Mapping[int, int]) -> None:
+        """After a recovery: DCASGD's backups of the datacenters that stay, under their new
+        numbers (``new``: old -> new); a lost datacenter's are dropped."""
+        for st in self.state.values():
+            names = [n for n in st if n.startswith("backup_dc")]
+            backups = {int(n[len("backup_dc") :]): st.pop(n) for n in names}
+            st.update({f"backup_dc{new[d]}": t for d, t in backups.items() if d in new})
+
     def _dcasgd(
         self,
         key: int,

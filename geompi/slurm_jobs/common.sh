@@ -130,8 +130,8 @@ geompi_setup() {
         export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
     fi
 
-    # GEOMPI_FT=1: keep training when a datacenter or a worker is lost (--on-failure continue,
-    # FSA or HFA): mpirun under MPI fault tolerance (ULFM), TCP also inside a node (shared
+    # GEOMPI_FT=1: keep training when a datacenter or a worker is lost (--on-failure continue):
+    # mpirun under MPI fault tolerance (ULFM), TCP also inside a node (shared
     # memory does not survive a lost rank), Open MPI's heartbeat on its own thread
     # (GEOMPI_FT_TIMEOUT s).
     GEOMPI_FT=${GEOMPI_FT:-0}

@@ -28,6 +28,8 @@ class Algorithm:
     # Where the global servers run the optimizer: a change of the user's hyperparameters (an
     # lr schedule) travels with the next round and the servers update theirs in place.
     follows_hyperparameters: ClassVar[bool] = False
+    # What a datacenter lost under on_failure="continue" takes with it (the line says).
+    left_with: ClassVar[str] = "their updates since the last global average"  # HFA's
 
     @property
     def on_servers(self) -> bool:
@@ -47,8 +49,8 @@ class Algorithm:
         from geompi.errors import ConfigError
 
         raise ConfigError(
-            f"on_failure='continue' is supported with FSA and HFA so far, not {self.name}: "
-            "use sync=geompi.FSA() or geompi.HFA(...), or on_failure='abort' with checkpoints"
+            f"on_failure='continue' is supported with FSA, HFA and MixedSync, not {self.name}: "
+            "use one of those, or on_failure='abort' with checkpoints"
         )
 
     def job(self) -> dict:

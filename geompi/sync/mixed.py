@@ -32,6 +32,7 @@ class MixedSync(Algorithm):
     # Each datacenter's first worker sends its hyperparameters when they change; a deposit is
     # stepped with its own datacenter's (geompi.ps.async_tier).
     follows_hyperparameters: ClassVar[bool] = True
+    left_with: ClassVar[str] = "the round under way (every deposit made before it is applied)"
     dcasgd: bool = False  # delay-compensated SGD with the user's SGD learning rate
     dcasgd_lambda: float = 0.04
     dcasgd_adaptive: bool = False
@@ -40,6 +41,10 @@ class MixedSync(Algorithm):
     @property
     def on_servers(self) -> bool:
         return True
+
+    def check_survivable(self) -> None:
+        """A lost worker or datacenter is survived: the global servers apply every deposit
+        made, and each datacenter redoes, or completes from a peer, the round cut off."""
 
     def validate(self) -> None:
         if self.max_staleness is not None and (

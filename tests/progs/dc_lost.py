@@ -1,9 +1,10 @@
-"""FSA or HFA through the CLI's train() under --on-failure continue (launched with ULFM):
-uneven datacenters of 2, 1 and 2 workers, 2 global servers, SGD with momentum 0.9 (HFA: on
-the workers, then an outer Nesterov step; FSA: on the global servers). The test kills ranks with
-the GEOMPI_FAULT_* hooks; rank 0 saves the final model and summary.
+"""FSA, HFA or MixedSync through the CLI's train() under --on-failure continue (launched with
+ULFM): uneven datacenters of 2, 1 and 2 workers, 2 global servers. HFA: SGD with momentum 0.9
+on the workers, then an outer Nesterov step; FSA: SGD with momentum 0.9 on the global servers;
+MixedSync: DCASGD (lambda 2) on the global servers. The test kills ranks with the
+GEOMPI_FAULT_* hooks; rank 0 saves the final model and summary.
 
-    dc_lost.py hfa|fsa OUT [STEPS [CHECKPOINT_DIR [resume]]]   # checkpoints every 4 steps"""
+    dc_lost.py hfa|fsa|mixed OUT [STEPS [CHECKPOINT_DIR [resume]]]   # checkpoints every 4 steps"""
 
 import json
 import sys
@@ -14,17 +15,19 @@ from geompi.config import make_config
 from geompi.train import train
 
 sync, out, rest = sys.argv[1], sys.argv[2], sys.argv[3:]
-hfa = dict(k1=2, k2=2, outer_optimizer="nesterov", outer_lr=0.7) if sync == "hfa" else {}
+algo = {
+    "hfa": dict(k1=2, k2=2, outer_optimizer="nesterov", outer_lr=0.7, lr=0.05, momentum=0.9),
+    "fsa": dict(lr=0.05, momentum=0.9),
+    "mixed": dict(optimizer="dcasgd", lr=0.1, dcasgd_lambda=2.0),
+}[sync]
 cfg = make_config(
     env={},
     dataset="digits",
     model="mlp",
     batch_size=7,
     seed=4,
-    lr=0.05,
-    momentum=0.9,
     sync=sync,
-    **hfa,
+    **algo,
     steps=int(rest[0]) if rest else 12,
     dc_sizes=(3, 2, 3),
     global_servers=2,
