@@ -92,7 +92,9 @@ def abort(err: BaseException, code: int = 1) -> None:
         say(PREFIX + str(err))
     else:
         traceback.print_exception(err)
-        say(PREFIX + f"rank {_rank()} failed with {_brief(err)}; aborting every rank")
+        from geompi.comm.faults import abort_reach
+
+        say(PREFIX + f"rank {_rank()} failed with {_brief(err)}; {abort_reach()}")
     # The line travels to the launcher on the output channel, the abort on another: give the
     # line a head start, so that it is not lost or printed after Open MPI's abort banner.
     time.sleep(_LET_LINE_OUT_S)

@@ -334,3 +334,15 @@ def test_surviving_topology_refuses_what_the_job_cannot_lose(lost: set[int]) -> 
     t = Topology.plan(10, dc_sizes=[3, 2, 3], global_servers=2)
     with pytest.raises(LostEssentialRank, match="so .*stops; run it again"):
         surviving_topology(t, lost)
+
+
+def test_the_abort_line_says_what_mpi_abort_ends(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under --on-failure continue MPI_Abort ends only the calling rank until a recovery has
+    happened (bench/ulfm_abort.py), every rank afterwards and without continue."""
+    from geompi.comm import faults
+
+    assert faults.abort_reach() == "aborting every rank"
+    monkeypatch.setattr(faults, "_world", object())  # watch(): continue, no loss yet
+    assert faults.abort_reach().startswith("ending this rank, as --on-failure continue")
+    monkeypatch.setattr(faults, "_last_world", object())  # after a recovery
+    assert faults.abort_reach() == "aborting every rank"

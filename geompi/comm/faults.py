@@ -313,6 +313,16 @@ def serve(server) -> None:
             server.rejoin(recover(server.comms, server.topo))  # a leaving rank exits there
 
 
+def abort_reach() -> str:
+    """What MPI_Abort ends from here, as the line before it says: under ``--with-ft ulfm``
+    only the calling rank before any loss (the others then meet a lost rank and, under
+    ``--on-failure continue``, go on without it where they can), every rank once a recovery has
+    happened (bench/ulfm_abort.py measured both)."""
+    if watching() and _last_world is None:
+        return "ending this rank, as --on-failure continue: the others go on where they can"
+    return "aborting every rank"
+
+
 def revoke_all(comms: Communicators) -> None:
     """Revoke every communicator of this rank, so every peer's next wait fails too."""
     for c in (comms.world, comms.dc, comms.glob, comms.workers, comms.all_workers):
