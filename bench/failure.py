@@ -4,10 +4,11 @@ last checkpoint, side by side.
     python bench/failure.py                 # 16 ranks, 3 interleaved repeats of each
     python bench/failure.py --steps 192 --repeat 5
     python bench/failure.py --sync fsa      # writes bench/results/failure_fsa.json
+    python bench/failure.py --sync mixed    # writes bench/results/failure_mixed.json
 
 The job is HFA on the digits CNN (16 ranks: 3 datacenters of 4 workers, 1 global server,
-K1=8, K2=4), or with ``--sync fsa`` FSA on the same (checkpoints every 32 steps, as HFA's
-K1*K2). At ``--kill-at`` (mid-run, between two global averages) the local server of
+K1=8, K2=4), or with ``--sync fsa`` FSA, or ``--sync mixed`` MixedSync, on the same
+(checkpoints every 32 steps, as HFA's K1*K2). At ``--kill-at`` (mid-run, between two global averages) the local server of
 datacenter 2 is SIGKILLed (geompi's GEOMPI_FAULT_KILL_AT test hook). Each repeat runs, one
 after the other:
 
@@ -22,7 +23,8 @@ after the other:
 
 Goodput is the samples of the finished model's training history per second of wall time,
 launches included: continue counts 12 workers' samples up to the loss and 8 after it (what the
-final model learned from), restart counts every worker's to the end (its lost steps between the
+final model learned from; MixedSync, whose datacenters are each at their own step: the summary's
+count, the weights of every deposit applied), restart counts every worker's to the end (its lost steps between the
 checkpoint and the kill are trained again, and their first pass does not count). The
 detection-to-recovery time runs from the killed rank's last word (its timestamp) to the
 survivors' recovery (``recovered_at`` in the metrics' failure event). Medians and spreads over
@@ -94,11 +96,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kill-at", type=int, default=None, help="step of the loss (default: mid)")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--timeout", type=float, default=600)
-    p.add_argument("--sync", choices=("hfa", "fsa"), default="hfa")
-    p.add_argument("--out", default=None, help="default bench/results/failure[_fsa].json")
+    p.add_argument("--sync", choices=("hfa", "fsa", "mixed"), default="hfa")
+    p.add_argument("--out", default=None, help="default bench/results/failure[_fsa|_mixed].json")
     a = p.parse_args(argv)
     out_path = a.out or ROOT / "bench" / "results" / (
-        "failure.json" if a.sync == "hfa" else "failure_fsa.json"
+        "failure.json" if a.sync == "hfa" else f"failure_{a.sync}.json"
     )
     period = 32  # K1 * K2 (HFA's checkpoints are at global averages)
     kill = a.kill_at or (a.steps // 2 + 16)  # between two global averages (HFA)
@@ -122,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
             sys.exit(f"failure: the continue run failed (exit {c['rc']})\n{c['err'][-3000:]}")
         before = kill if a.sync == "hfa" else kill - 1  # FSA redoes step `kill` without it
         samples = BATCH * (12 * before + 8 * (a.steps - before))
+        if a.sync == "mixed":
+            samples = c["summary"]["samples"]
         goodput["continue"].append(samples / c["wall"])
         walls["continue"].append(c["wall"])
         detect.append(c["failure"]["recovered_at"] - killed_at(c["err"]))

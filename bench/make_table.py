@@ -424,6 +424,7 @@ RENDERERS = {
     "wan_time_to_accuracy": render_wan_time_to_accuracy,
     "failure": render_failure,
     "failure_fsa": render_failure,
+    "failure_mixed": render_failure,
     "ulfm_exit": render_ulfm_exit,
 }
 TITLES = {
@@ -437,6 +438,7 @@ TITLES = {
     "soak": "Soak: MixedSync + DCASGD for a fixed wall time, watching for leaks",
     "failure": "A datacenter lost mid-run: --on-failure continue against a checkpoint restart",
     "failure_fsa": "The same with FSA (bench/failure.py --sync fsa)",
+    "failure_mixed": "The same with MixedSync (bench/failure.py --sync mixed)",
     "ulfm_exit": "Ending a job after a lost rank: how often mpirun --with-ft ulfm hangs",
 }
 
