@@ -8,9 +8,9 @@ last checkpoint, side by side.
 
 The job is HFA on the digits CNN (16 ranks: 3 datacenters of 4 workers, 1 global server,
 K1=8, K2=4), or with ``--sync fsa`` FSA, or ``--sync mixed`` MixedSync, on the same
-(checkpoints every 32 steps, as HFA's K1*K2). At ``--kill-at`` (mid-run, between two global averages) the local server of
-datacenter 2 is SIGKILLed (geompi's GEOMPI_FAULT_KILL_AT test hook). Each repeat runs, one
-after the other:
+(checkpoints every 32 steps, as HFA's K1*K2). At ``--kill-at`` (mid-run, between two global
+averages) the local server of datacenter 2 is SIGKILLed (geompi's GEOMPI_FAULT_KILL_AT test
+hook). Each repeat runs, one after the other:
 
 - **continue**: ``mpirun --with-ft ulfm --mca btl self,tcp`` with ``--on-failure continue``:
   the other two datacenters go on to the last step;
@@ -23,12 +23,13 @@ after the other:
 
 Goodput is the samples of the finished model's training history per second of wall time,
 launches included: continue counts 12 workers' samples up to the loss and 8 after it (what the
-final model learned from; MixedSync, whose datacenters are each at their own step: the summary's
-count, the weights of every deposit applied), restart counts every worker's to the end (its lost steps between the
-checkpoint and the kill are trained again, and their first pass does not count). The
-detection-to-recovery time runs from the killed rank's last word (its timestamp) to the
-survivors' recovery (``recovered_at`` in the metrics' failure event). Medians and spreads over
-the repeats; writes bench/results/failure.json.
+final model learned from; MixedSync, whose datacenters are each at their own step: the
+summary's count, the weights of every deposit applied), restart counts every worker's to the
+end (its lost steps between the checkpoint and the kill are trained again, and their first pass
+does not count). The detection-to-recovery time runs from the killed rank's last word (its
+timestamp) to the survivors' recovery (``recovered_at`` in the metrics' failure event). Medians
+and spreads over the repeats; writes bench/results/failure.json (failure_fsa.json,
+failure_mixed.json).
 """
 
 from __future__ import annotations

@@ -470,3 +470,24 @@ def test_the_public_api_survives_a_lost_datacenter_under_mixedsync(tmp_path):
     from tests.progs.api_common import make_model
 
     assert max_abs_diff(final, make_model(seed=1).state_dict()) > 1e-3  # it trained
+
+
+def test_a_lost_global_server_stops_mixedsync_in_one_line(tmp_path):
+    """MixedSync loses a global server (after it applied 10 deposits). The local servers' one-
+    sided calls to it would wait forever (Open MPI's osc/rdma is not fault tolerant); with the
+    MPI library's heartbeat on, as make train and the Slurm scripts turn it on, they leave and
+    the others stop the job: one line from one rank, a non-zero exit, no hang."""
+    detector = {
+        "OMPI_MCA_mpi_ft_detector": "true",
+        "OMPI_MCA_mpi_ft_detector_thread": "true",
+        "OMPI_MCA_mpi_ft_detector_timeout": "5",
+    }
+    env = {**ULFM_ENV, **detector, "GEOMPI_FAULT_KILL_AT": "10:8"}
+    res = mpirun(
+        10, [prog("dc_lost.py"), "mixed", str(tmp_path)], 120, env=env, launcher=ULFM, check=False
+    )
+    assert res.returncode != 0
+    lines = error_lines(res.stderr)
+    assert len(lines) == 1 and "global server rank(s) 8 lost" in lines[0], res.stderr
+    assert lines[0].endswith("so the job stops; run it again")
+    assert not (tmp_path / "summary.json").exists()

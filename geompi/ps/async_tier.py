@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 
 import numpy as np
@@ -169,6 +170,7 @@ class AsyncUplink:
         # once that step's deposit is made
         self.kill_deposited = (-1, -1)
         self._abandoned: list[SlotWindows] = []  # a lost rank's windows: never freed
+        self._guard: threading.Thread | None = None
 
     # The same begin / send_key / end / receive steps as SyncUplink. INIT rounds go through the
     # synchronous tier; gradient rounds are collected, then deposited in one go at ``end``.
@@ -314,6 +316,35 @@ class AsyncUplink:
         if self.sync.wan is not None:  # the ticket, the polls and the flags cross it too
             for win in self.wins:
                 win.on_control = self._hold_control
+        if faults.watching() and self._guard is None:
+            self._guard = threading.Thread(
+                target=self._leave_if_a_global_server_is_lost, name="geompi-rma-guard", daemon=True
+            )
+            self._guard.start()
+
+    def _leave_if_a_global_server_is_lost(self) -> None:
+        """--on-failure continue: a one-sided call to a lost global server never returns (Open
+        MPI 5.0.11: the lock or get waits for the lost target forever, though the MPI library's
+        heartbeat knows it is lost), and this server makes one every few milliseconds. A lost
+        global server stops the job (faults.surviving_topology), so once the MPI library
+        reports one lost, this rank ends (status 0) a moment later if the job has not stopped
+        by then: the others recover without it, and stop in one line."""
+        from mpi4py import MPI
+
+        while True:
+            time.sleep(0.5)
+            comm, topo = self.sync.link.comm, self.topo  # the current ones, after a recovery
+            try:
+                failed = comm.Get_failed()
+                lost = MPI.Group.Translate_ranks(
+                    failed, list(range(failed.Get_size())), comm.Get_group()
+                )
+            except Exception:  # noqa: BLE001 - a communicator being rebuilt: look again
+                continue
+            servers = range(topo.num_dcs, topo.num_dcs + topo.num_global_servers)
+            if any(r in servers for r in lost):
+                time.sleep(_LEAVE_AFTER_S)
+                os._exit(0)
 
     def _hold_control(self, trips: int) -> None:
         """An emulated link: a control operation takes ``trips`` one-way latencies (its few
@@ -369,6 +400,8 @@ class AsyncUplink:
                 codec.decode_pull(rkey, raw[off : off + codec.nbytes(m)], piece)
             off += region_bytes(codec_i, m)
 
+
+_LEAVE_AFTER_S = 2.0  # see AsyncUplink._leave_if_a_global_server_is_lost
 
 TAG_CUT = 23  # on global_comm, between global servers: the deposits each has applied
 # on global_comm after a recovery: a local server's last deposit's hyperparameters (or "")
@@ -647,6 +680,9 @@ class AsyncGlobalServer(GlobalServer):
         self.last_version[d] = version + 1
         self.applied[d] += 1
         self.samples_applied += weight
+        if sum(self.applied) == self._kill_at:  # test hook (GEOMPI_FAULT_KILL_AT=N:RANK): lost
+            # once it has applied N deposits
+            faults.kill_self(self.world.Get_rank())
 
     def apply_mean(self, key: int, total: torch.Tensor, weight: float, dc=None) -> None:
         """A datacenter's buffers (a mean key): kept per datacenter, and what it fetches back
