@@ -17,6 +17,11 @@ from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
+# Before anything loads MPI: a fault-tolerant launch's MPI_Finalize may never return
+from geompi.comm.faults import end_without_finalize_under_heartbeat  # noqa: E402
+
+end_without_finalize_under_heartbeat()
+
 __all__ = [
     "FSA",
     "HFA",

@@ -472,17 +472,31 @@ def test_the_public_api_survives_a_lost_datacenter_under_mixedsync(tmp_path):
     assert max_abs_diff(final, make_model(seed=1).state_dict()) > 1e-3  # it trained
 
 
+# Open MPI's heartbeat on its own thread, as make train and GEOMPI_FT=1 launch --on-failure continue
+HEARTBEAT = {
+    "OMPI_MCA_mpi_ft_detector": "true",
+    "OMPI_MCA_mpi_ft_detector_thread": "true",
+    "OMPI_MCA_mpi_ft_detector_timeout": "5",
+}
+
+
+@pytest.mark.parametrize("sync", ["hfa", "mixed"])
+def test_a_run_that_loses_nothing_ends_under_the_heartbeat(tmp_path, sync):
+    """With the heartbeat's thread on, Open MPI 5.0.11's MPI_Finalize never returned, so a run
+    that lost no rank hung at its very end: geompi now ends its processes without it, after a
+    last barrier. The job ends with exit 0 and its summary."""
+    env = {**ULFM_ENV, **HEARTBEAT}
+    mpirun(10, [prog("dc_lost.py"), sync, str(tmp_path)], 120, env=env, launcher=ULFM)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == 12 and "failures" not in summary
+
+
 def test_a_lost_global_server_stops_mixedsync_in_one_line(tmp_path):
     """MixedSync loses a global server (after it applied 10 deposits). The local servers' one-
     sided calls to it would wait forever (Open MPI's osc/rdma is not fault tolerant); with the
     MPI library's heartbeat on, as make train and the Slurm scripts turn it on, they leave and
     the others stop the job: one line from one rank, a non-zero exit, no hang."""
-    detector = {
-        "OMPI_MCA_mpi_ft_detector": "true",
-        "OMPI_MCA_mpi_ft_detector_thread": "true",
-        "OMPI_MCA_mpi_ft_detector_timeout": "5",
-    }
-    env = {**ULFM_ENV, **detector, "GEOMPI_FAULT_KILL_AT": "10:8"}
+    env = {**ULFM_ENV, **HEARTBEAT, "GEOMPI_FAULT_KILL_AT": "10:8"}
     res = mpirun(
         10, [prog("dc_lost.py"), "mixed", str(tmp_path)], 120, env=env, launcher=ULFM, check=False
     )

@@ -47,7 +47,37 @@ class LostEssentialRank(GeompiError):
 
 def ulfm_launch(env=os.environ) -> bool:
     """Whether this process was started with MPI fault tolerance (``--with-ft ulfm``)."""
-    return env.get(FT_ENV, "").strip().lower() in ("1", "true", "yes", "enabled")
+    return _on(env.get(FT_ENV))
+
+
+def _on(value: str | None) -> bool:
+    return (value or "").strip().lower() in ("1", "true", "yes", "enabled")
+
+
+def end_without_finalize_under_heartbeat(env=os.environ) -> None:
+    """Under MPI fault tolerance with Open MPI's heartbeat on its own thread (``--mca
+    mpi_ft_detector_thread true``, as make train and GEOMPI_FT=1 launch --on-failure
+    continue), Open MPI 5.0.11's MPI_Finalize never returns: measured on a 2-rank mpi4py
+    script that only meets in a barrier, so such a run that lost nothing hung at its end.
+    Under that launch, processes end without it (mpi4py is told so before it loads MPI), after
+    a last barrier that lets every rank's last messages leave. Called as geompi is imported."""
+    if not (_on(env.get(FT_ENV)) and _on(env.get("OMPI_MCA_mpi_ft_detector_thread"))):
+        return
+    if "mpi4py.MPI" in sys.modules:  # loaded first (python -m mpi4py): too late to say
+        return
+    import mpi4py
+
+    mpi4py.rc.finalize = False
+    atexit.register(_last_barrier)
+
+
+def _last_barrier() -> None:
+    """At exit without MPI_Finalize (end_without_finalize_under_heartbeat): meet every rank
+    of the world (the rebuilt one after a loss), as _goodbye does."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
+        return
+    _goodbye(_last_world or mpi.COMM_WORLD)
 
 
 def check_launch(env=os.environ) -> None:

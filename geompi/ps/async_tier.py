@@ -171,6 +171,7 @@ class AsyncUplink:
         self.kill_deposited = (-1, -1)
         self._abandoned: list[SlotWindows] = []  # a lost rank's windows: never freed
         self._guard: threading.Thread | None = None
+        self._guard_stop = threading.Event()
 
     # The same begin / send_key / end / receive steps as SyncUplink. INIT rounds go through the
     # synchronous tier; gradient rounds are collected, then deposited in one go at ``end``.
@@ -274,6 +275,9 @@ class AsyncUplink:
                 self._unpack(g, rnd.keys, bufs, packed, None)
         for win in self.wins:
             win.free()
+        if self._guard is not None:  # no one-sided call left to watch
+            self._guard_stop.set()
+            self._guard.join()
 
     def rejoin(self, link, topo: Topology) -> None:
         """After a recovery (--on-failure continue): this datacenter renumbered, the windows
@@ -331,8 +335,7 @@ class AsyncUplink:
         by then: the others recover without it, and stop in one line."""
         from mpi4py import MPI
 
-        while True:
-            time.sleep(0.5)
+        while not self._guard_stop.wait(0.5):
             comm, topo = self.sync.link.comm, self.topo  # the current ones, after a recovery
             try:
                 failed = comm.Get_failed()
