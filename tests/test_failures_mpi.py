@@ -116,13 +116,19 @@ def test_a_lost_datacenter_0_stops_the_job_in_one_line(tmp_path):
     """Datacenter 0 (the master worker's) cannot leave: one line from one rank, a non-zero
     exit, no hang."""
     env = {**ULFM_ENV, "GEOMPI_FAULT_KILL_AT": f"{LOST_AT}:2"}
+    stops_in_one_line(tmp_path, "hfa", env, "datacenter 0 lost its local server", "so it stops")
+
+
+def stops_in_one_line(tmp_path, sync: str, env: dict, says: str, ends: str) -> None:
+    """tests/progs/dc_lost.py SYNC under ``env`` stops: one error line from one rank, which
+    says ``says`` and ends ``ends; run it again``, a non-zero exit, no summary, no hang."""
     res = mpirun(
-        10, [prog("dc_lost.py"), "hfa", str(tmp_path)], 120, env=env, launcher=ULFM, check=False
+        10, [prog("dc_lost.py"), sync, str(tmp_path)], 120, env=env, launcher=ULFM, check=False
     )
     assert res.returncode != 0
     lines = error_lines(res.stderr)
-    assert len(lines) == 1 and "datacenter 0 lost its local server" in lines[0], res.stderr
-    assert lines[0].endswith("so it stops; run it again")
+    assert len(lines) == 1 and says in lines[0], res.stderr
+    assert lines[0].endswith(f"{ends}; run it again")
     assert not (tmp_path / "summary.json").exists()
 
 
@@ -497,11 +503,4 @@ def test_a_lost_global_server_stops_mixedsync_in_one_line(tmp_path):
     MPI library's heartbeat on, as make train and the Slurm scripts turn it on, they leave and
     the others stop the job: one line from one rank, a non-zero exit, no hang."""
     env = {**ULFM_ENV, **HEARTBEAT, "GEOMPI_FAULT_KILL_AT": "10:8"}
-    res = mpirun(
-        10, [prog("dc_lost.py"), "mixed", str(tmp_path)], 120, env=env, launcher=ULFM, check=False
-    )
-    assert res.returncode != 0
-    lines = error_lines(res.stderr)
-    assert len(lines) == 1 and "global server rank(s) 8 lost" in lines[0], res.stderr
-    assert lines[0].endswith("so the job stops; run it again")
-    assert not (tmp_path / "summary.json").exists()
+    stops_in_one_line(tmp_path, "mixed", env, "global server rank(s) 8 lost", "so the job stops")
