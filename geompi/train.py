@@ -547,13 +547,14 @@ def _train(cfg: RunConfig, comm) -> dict | None:
         totals["global_in_bytes"] = sum(
             r["wan_received_bytes"] for r in per_rank if r["role"] == Role.GLOBAL_SERVER.name
         )
+        served = _server_summary(servers)
         summary = {
             "summary": True,
             **result,
             **totals,
-            **_server_summary(servers),
+            **served,
             "time_split": time_split(per_rank),
-            "samples": _samples(node, topo, result, servers),
+            "samples": _samples(node, topo, result, served),
             "sync": cfg.sync,
             "topology": topo.describe(),
         }
@@ -608,13 +609,13 @@ def _server_summary(reports: list[dict]) -> dict:
     return out
 
 
-def _samples(node, topo, result: dict, servers: list[dict]) -> int:
+def _samples(node, topo, result: dict, served: dict) -> int:
     """The samples the final model has seen: every worker's; after a loss, plus those the
     lost workers trained before it, or under MixedSync (whose datacenters are each at their own
-    step) the weights of every deposit the global servers applied."""
-    gs0 = next((r for r in servers if r.get("global_server") == 0), {})
-    if result.get("failures") and "samples_applied" in gs0:
-        return gs0["samples_applied"]
+    step) the weights of every deposit the global servers applied (``served``: the servers'
+    part of the summary)."""
+    if result.get("failures") and "samples_applied" in served:
+        return served["samples_applied"]
     return node.samples * topo.num_workers + node.samples_of_lost
 
 
