@@ -149,6 +149,22 @@ def test_agree_mismatch_in_the_middle_names_that_sender() -> None:
     assert "rank 20 sent round 1 AVG keys [0, 1]" in message
 
 
+def test_agree_mismatch_in_the_presence_key_names_that_sender() -> None:
+    from geompi.ps.protocol import FLAG_PRESENCE
+
+    good = Round(Op.GRAD, 3, [(0, 4), (9, 2)], weight=1.0, flags=FLAG_PRESENCE)
+    bad = Round(Op.GRAD, 3, [(0, 4), (9, 3)], weight=1.0, flags=FLAG_PRESENCE)
+    assert agree(stack(good, good), [0, 1], "dc 0")[0].keys == [(0, 4), (9, 2)]
+    with pytest.raises(ProtocolError, match=r"rank 31 sent round 3 GRAD keys \[0, 9\]"):
+        agree(stack(good, bad), [30, 31], "dc 1")
+
+
+def test_agree_sums_the_weights_in_sender_order() -> None:
+    weights = [0.1, 0.2, 0.3, 1e16, -1e16]  # a float sum that depends on its order
+    headers = stack(*(Round(Op.GRAD, 1, [(0, 5)], weight=w) for w in weights))
+    assert agree(headers, [0, 1, 2, 3, 4], "x")[1] == sum(weights)
+
+
 # --- presence (FLAG_PRESENCE) -------------------------------------------------------------------
 def test_presence_key_rides_outside_the_wire_prefix() -> None:
     from geompi.ps.protocol import FLAG_PRESENCE, wire_header

@@ -66,6 +66,8 @@ _NOTHING = -1.0  # what a presence buffer holds when an empty message arrived in
 MAX_KEYS = 256
 _FIXED = 7  # op, round, weight, nkeys, spec_len, flags, step
 _WEIGHT = 2  # the weight's position in a header
+_SPEC_LEN = 4
+_AGREE = [0, 1, 3, 5, -2, -1]  # op, round, key count, flags, the presence key's slot
 
 TAG_SNAPSHOT = 21  # on the world communicator: a global server's state -> the master worker
 TAG_RESTORE = 22  # on the world communicator: checkpointed state -> a global server
@@ -105,27 +107,17 @@ class Round:
                 raise ValueError(f"a round with presence carries at most {MAX_KEYS - 1} keys")
         if len(keys) > MAX_KEYS:
             raise ValueError(f"a round carries at most {MAX_KEYS} keys")
-        h[:_FIXED] = torch.tensor(
-            [
-                int(self.op),
-                self.round_id,
-                self.weight,
-                len(keys),
-                self.spec_len,
-                self.flags,
-                self.step,
-            ],
-            dtype=torch.float64,
-        )
-        for i, (k, n) in enumerate(keys):
-            h[_FIXED + 2 * i] = k
-            h[_FIXED + 2 * i + 1] = n
+        fixed = [int(self.op), self.round_id, self.weight, len(keys)]
+        fixed += [self.spec_len, self.flags, self.step]
+        values = fixed + [v for key in keys for v in key]  # one conversion, not one per key
+        h[: len(values)] = torch.tensor(values, dtype=torch.float64)
         return h
 
     @classmethod
     def decode(cls, h: torch.Tensor) -> Round:
         op, rid, weight, nkeys, spec_len, flags, step = h[:_FIXED].tolist()
-        keys = [(int(h[_FIXED + 2 * i]), int(h[_FIXED + 2 * i + 1])) for i in range(int(nkeys))]
+        flat = [int(v) for v in h[_FIXED : _FIXED + 2 * int(nkeys)].tolist()]
+        keys = list(zip(flat[::2], flat[1::2]))
         if int(flags) & FLAG_PRESENCE and h[-1] > 0:  # a full header (a wire one lacks it)
             keys.append((int(h[-2]), int(h[-1])))
         return cls(Op(int(op)), int(rid), keys, weight, int(spec_len), int(flags), int(step))
@@ -207,8 +199,17 @@ def agree(headers: torch.Tensor, senders: list[int], where: str) -> tuple[Round,
 
     Returns (the round, the summed weight, the senders that attached an optimizer spec).
     """
+    first = Round.decode(headers[0])
+    # The fields that must agree (op, round, key count, flags, keys, the presence slot) are
+    # compared in one tensor operation; only a mismatch decodes every header, to name it.
+    same = headers[:, _AGREE] == headers[0, _AGREE]
+    nkeys = _FIXED + 2 * len(first.keys)
+    same_keys = headers[:, _FIXED:nkeys] == headers[0, _FIXED:nkeys]
+    if bool(same.all()) and bool(same_keys.all()):
+        values = headers[:, [_WEIGHT, _SPEC_LEN]].tolist()
+        weight = float(sum(w for w, _ in values))
+        return first, weight, [s for s, (_, spec) in zip(senders, values) if spec]
     rounds = [Round.decode(h) for h in headers]
-    first = rounds[0]
     for sender, r in zip(senders, rounds):
         if (r.op, r.round_id, r.keys, r.flags) != (
             first.op,
