@@ -385,7 +385,8 @@ class LocalServer:
                 numel = total.numel() * len(per_worker)
                 self._lan_hold(self.lan_port and self.lan_port.down, numel)
             if per_worker is not None:
-                total.copy_(per_worker[0])
+                if per_worker[0] is not total:
+                    total.copy_(per_worker[0])
                 for buf in per_worker[1:]:
                     total.add_(buf)
             if self._judges_finite(rnd) and not all_finite(total):
@@ -467,7 +468,8 @@ class LocalServer:
         self, rnd: Round, totals: list[torch.Tensor]
     ) -> list[tuple[Requests, list[torch.Tensor] | None]]:
         """Post the receives of every worker's push, one request list per key; a scattered
-        key's summed slices go straight into its total (no list of pushes, None)."""
+        key's summed slices go straight into its total (no list of pushes, None), and so does
+        the first worker's push of any other key but presence."""
         out: list[tuple[Requests, list[torch.Tensor] | None]] = []
         scattered = scattered_positions(rnd)
         workers = len(self.workers)
@@ -480,7 +482,12 @@ class LocalServer:
                         self.lan.irecv(reqs, totals[i][lo:hi], 1 + j, TAG_DATA + i)
                 out.append((reqs, None))
                 continue
-            per_worker = [self.bufs.get((key, j), n) for j in range(len(self.workers))]
+            # The first worker's push lands in the total itself (one pass less over it), except
+            # for presence, whose empty message leaves a marker to read in its own buffer.
+            per_worker = [
+                totals[i] if j == 0 and i != presence_position(rnd) else self.bufs.get((key, j), n)
+                for j in range(workers)
+            ]
             for j, buf in enumerate(per_worker):
                 if i == presence_position(rnd):  # may come empty: all present
                     expect_presence(buf)
