@@ -151,6 +151,12 @@ def render_throughput(d: dict) -> list[str]:
 
 def render_sync_overhead(d: dict) -> list[str]:
     med, ratio = d["median_s"], d["ratio"]
+    runs = d.get("ratio_runs", {})
+
+    def spread(size: str) -> str:
+        figures = runs.get(size, {}).get("vs_mpi_allreduce")
+        return f"{num(min(figures))} to {num(max(figures))}" if figures else ""
+
     rows = [
         [
             size,
@@ -159,6 +165,7 @@ def render_sync_overhead(d: dict) -> list[str]:
             num(med["mpi_allreduce"][size], 4),
             num(med["gloo_allreduce"][size], 4),
             num(r["vs_mpi_allreduce"]),
+            spread(size),
             num(r["vs_raw_two_tier"]),
             num(r["raw_two_tier_vs_mpi_allreduce"]),
             num(r["vs_gloo_allreduce"]),
@@ -173,6 +180,7 @@ def render_sync_overhead(d: dict) -> list[str]:
             "MPI Allreduce s",
             "gloo all_reduce s",
             "geompi / MPI",
+            "over the runs",
             "geompi / raw two-tier",
             "raw two-tier / MPI",
             "geompi / gloo",
@@ -180,16 +188,29 @@ def render_sync_overhead(d: dict) -> list[str]:
         rows,
     )
     goal = d.get("goal", "")
-    m = re.match(r".*?(<=|>=)\s*([0-9.]+)\s+at\s+(\S+)\s*MB", goal)
-    met = ""
-    if m and f"{m.group(3)}MB" in ratio:
-        met = meets(ratio[f"{m.group(3)}MB"]["vs_mpi_allreduce"], f"{m.group(1)} {m.group(2)}")
+    met = [
+        f"{size} MB {meets(ratio[f'{size}MB']['vs_mpi_allreduce'], f'{op} {bound}')}"
+        for op, bound, size in re.findall(r"(<=|>=)\s*([0-9.]+)\s+at\s+(\S+)\s*MB", goal)
+        if f"{size}MB" in ratio
+    ]
+    cpu = d.get("cpu_s_per_round", {})
     out.append("")
     out.append(
-        f"Median of {d.get('reps')} rounds, {d.get('workers')} workers of {d.get('ranks')} "
-        f"ranks, pull into the {d['pull_into']} buffer. Goal: {goal}"
-        + (f" (met: {met})." if met else ".")
+        f"Median of {d.get('reps')} rounds per run, median over {d.get('runs', 1)} runs, "
+        f"{d.get('workers')} workers of {d.get('ranks')} ranks, pull into the "
+        f"{d['pull_into']} buffer. Goal: {goal}" + (f" (met: {', '.join(met)})." if met else ".")
     )
+    if cpu:
+        out.append("")
+        out.append(
+            "CPU ms per round, summed over the ranks (geompi / raw two-tier / Allreduce): "
+            + "; ".join(
+                f"{size} {1e3 * cpu['geompi'][size]:.1f} / {1e3 * cpu['raw_two_tier'][size]:.1f}"
+                f" / {1e3 * cpu['mpi_allreduce'][size]:.1f}"
+                for size in ratio
+            )
+            + "."
+        )
     return out
 
 
