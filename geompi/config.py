@@ -284,7 +284,7 @@ class RunConfig:
         check_launch()
 
     def _check_adaptive(self) -> None:
-        """``--adaptive-sync``'s settings (HFA only, without streaming)."""
+        """``--adaptive-sync``'s settings (HFA only)."""
         from geompi.sync.hfa import check_adaptive
 
         _positive_int(self, "k2_min", "--k2-min")
@@ -297,8 +297,7 @@ class RunConfig:
             return flag if value is None or value is True else f"{flag} {value}"
 
         k2 = self.k2 if "k2" in self.sources else None  # else it starts at --k2-min
-        streaming = self.hfa_fragments > 1 or self.hfa_overlap
-        check_adaptive(k2, self.k2_min, self.k2_max, self.wan_share, streaming, show)
+        check_adaptive(k2, self.k2_min, self.k2_max, self.wan_share, self.hfa_overlap, show)
 
     @property
     def starting_k2(self) -> int:
@@ -457,7 +456,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="HFA: re-choose K2 after every global average from the measured WAN exchange and "
         "datacenter-round compute, so the exchange takes about --wan-share of the time "
-        "(default off; starts at --k2, or --k2-min)",
+        "(default off; starts at --k2, or --k2-min; with streaming too)",
     )
     a.add_argument(
         "--k2-min", type=_int("--k2-min"), help=f"--adaptive-sync: smallest K2 (default {d.k2_min})"
@@ -468,8 +467,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument(
         "--wan-share",
         type=_float,
-        help=f"--adaptive-sync: the share of wall time the WAN exchange may take "
-        f"(default {d.wan_share:g})",
+        help=f"--adaptive-sync: the share of wall time the WAN exchange may take (with "
+        f"--hfa-overlap, of the link's time: it hides behind compute) (default {d.wan_share:g})",
     )
     w = p.add_argument_group("WAN emulation and compression (the global tier)")
     w.add_argument(

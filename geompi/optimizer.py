@@ -877,11 +877,11 @@ class Synchronizer:
         if cadence is None:  # every K2-th is global: the local servers count too
             go_global = forced or (self.dc_rounds + 1) % algo.k2 == 0
             self._average(weight, forced)
-        else:  # adaptive: the workers choose, and say so (FLAG_GLOBAL)
+        else:  # adaptive: the workers choose K2; the local servers' schedule follows it
             go_global = forced or cadence.next_is_global()
-            started = cadence.begin()
-            self._average(weight, go_global)
-            cadence.end(started, go_global, self.steps, decide=not final)
+            cadence.begin()
+            self._average(weight, forced, cadence)
+            cadence.end(go_global, self.steps, decide=not final)
         self.round_samples = samples
         self.hfa_samples = 0
         # after a forced global round the local servers count K2 (and streaming's staggered
@@ -894,16 +894,20 @@ class Synchronizer:
                 self.opt.state.clear()
 
     @torch.no_grad()
-    def _average(self, weight: float, force_global: bool = False) -> None:
+    def _average(self, weight: float, force_global: bool = False, cadence=None) -> None:
         """HFA's datacenter average (every K2-th one global, or every key now with
-        ``force_global``) of parameters and float buffers."""
+        ``force_global``) of parameters and float buffers; with adaptive ``cadence``, its
+        K2 goes to the local server and the exchange times it measured come back."""
         flags = (FLAG_GLOBAL if force_global else 0) | self.lan_flags
         for b in self.buckets:
             torch.mul(b.params, weight, out=b.grads)
         if self.aux_len:
             self._pack_buffers(self.aux_send, weight)
         self.pushed_weight = weight  # the results land in the parameters: see rejoin()
-        reqs = self.client.start(Op.AVG, self.keys(), weight=weight, flags=flags)
+        k2 = cadence.k2 if cadence is not None else 0
+        reqs = self.client.start(Op.AVG, self.keys(), weight=weight, flags=flags, k2=k2)
+        if k2:
+            self.client.pull_exchanges(reqs, cadence.told)
         for b in self.buckets:
             self.client.push(reqs, b.grads)
         if self.aux_len:

@@ -61,7 +61,7 @@ def test_resolve(sync, cls):
         (HFA(k2=8, adaptive=True, k2_max=4), "starting k2 must lie within"),
         (HFA(adaptive=True, k2_min=0), "k2_min=0"),
         (HFA(adaptive=True, wan_share=1.0), "wan_share=1.0"),
-        (HFA(k2=2, adaptive=True, fragments=2), "adaptive=True. with fragments"),
+        (HFA(k2=2, adaptive=True, overlap=True), r"overlap with HFA\(adaptive=True\) needs k2_min"),
     ],
 )
 def test_resolve_refuses(bad, words):

@@ -297,8 +297,8 @@ def test_dcasgd_with_hfa_is_rejected() -> None:
         (["--sync", "hfa", "--adaptive-sync", "--wan-share", "1"], "--wan-share 1"),
         (["--sync", "hfa", "--adaptive-sync", "--wan-share", "nan"], "--wan-share nan"),
         (
-            ["--sync", "hfa", "--adaptive-sync", "--k2", "2", "--hfa-fragments", "2"],
-            "--adaptive-sync with --hfa-fragments",
+            ["--sync", "hfa", "--adaptive-sync", "--k2", "2", "--hfa-overlap"],
+            "--hfa-overlap with --adaptive-sync needs --k2-min >= 2",
         ),
         (
             ["--sync", "hfa", "--adaptive-sync", "--k1", "4", "--checkpoint-every", "6"]

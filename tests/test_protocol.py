@@ -26,13 +26,13 @@ def stack(*rounds: Round) -> torch.Tensor:
 
 # --- encode / decode ----------------------------------------------------------------------------
 def test_header_layout() -> None:
-    assert header_len() == 7 + 2 * MAX_KEYS  # op, round, weight, nkeys, spec_len, flags, step
+    assert header_len() == 8 + 2 * MAX_KEYS  # op, round, weight, nkeys, spec_len, flags, step, k2
     h = Round(
-        Op.GRAD, 7, [(3, 100), (9, 5)], weight=0.5, spec_len=12, flags=FLAG_SUM, step=42
+        Op.GRAD, 7, [(3, 100), (9, 5)], weight=0.5, spec_len=12, flags=FLAG_SUM, step=42, k2=6
     ).encode()
     assert h.dtype == torch.float64 and h.shape == (header_len(),)
-    assert h[:11].tolist() == [2.0, 7.0, 0.5, 2.0, 12.0, 1.0, 42.0, 3.0, 100.0, 9.0, 5.0]
-    assert not h[11:].any()
+    assert h[:12].tolist() == [2.0, 7.0, 0.5, 2.0, 12.0, 1.0, 42.0, 6.0, 3.0, 100.0, 9.0, 5.0]
+    assert not h[12:].any()
     assert TAG_RESULT == TAG_DATA + MAX_KEYS  # result tags never collide with data tags
 
 
@@ -42,6 +42,7 @@ def test_header_layout() -> None:
         Round(Op.INIT, 0, [(0, 10), (1, 3)], weight=0.0, spec_len=57),
         Round(Op.GRAD, 12, [(5, 1000), (2, 7), (9, 1)], weight=1 / 3, flags=FLAG_SUM),
         Round(Op.AVG, 99, [(0, 2**40 + 1)], weight=2 / 3, flags=FLAG_GLOBAL),
+        Round(Op.AVG, 5, [(0, 8), (1, 2)], weight=3.0, k2=17),
         Round(Op.AVG, 3, [(k, k + 1) for k in range(MAX_KEYS)], weight=1 / 7),
         Round(Op.STOP, 2**31),
         Round(Op.SAVE, 4, [(1, 0)], weight=1e-300),
@@ -123,6 +124,7 @@ def test_agree_tolerates_differing_weights_and_spec_lengths() -> None:
         Round(Op.AVG, 8, [(0, 20), (1, 10)]),  # another op
         Round(Op.GRAD, 9, [(0, 20), (1, 10)]),  # another round
         Round(Op.GRAD, 8, [(0, 20), (1, 10)], flags=FLAG_SUM),  # other flags
+        Round(Op.GRAD, 8, [(0, 20), (1, 10)], k2=3),  # another K2 (adaptive HFA)
     ],
 )
 def test_agree_mismatch_names_the_ranks(other: Round) -> None:
@@ -174,7 +176,7 @@ def test_presence_key_rides_outside_the_wire_prefix() -> None:
     assert Round.decode(h).keys == rnd.keys  # a full (LAN) header keeps it
     wire = torch.zeros(header_len(), dtype=torch.float64)
     wire[: wire_header(h).numel()] = wire_header(h)
-    assert wire_header(h).numel() == 7 + 2 * 2  # no more than the two bucket keys
+    assert wire_header(h).numel() == 8 + 2 * 2  # no more than the two bucket keys
     assert Round.decode(wire).keys == [(0, 100), (1, 7)]  # the global servers add it back
 
 

@@ -98,16 +98,30 @@ def test_adaptive_sync_checkpoints_its_k2_and_resumes_exactly(tmp_path):
     assert not identical(part / name, part / ckpt.checkpoint_name(10))
 
 
-def test_streaming_hfa_checkpoints_and_resumes_exactly(tmp_path):
+ADAPTIVE = ["--adaptive-sync", "--k2-min", 2, "--k2-max", 3, "--wan-latency", "100ms"]
+
+
+@pytest.mark.parametrize("cadence", [[], ADAPTIVE], ids=["fixed", "adaptive"])
+def test_streaming_hfa_checkpoints_and_resumes_exactly(tmp_path, cadence):
     """Streaming HFA (2 fragments, overlap, outer Nesterov) checkpoints: the checkpoint rounds
     (every 8 steps) and the last are made global, so a resume from step 8 ends bitwise where
     an uninterrupted run ends. A SIGTERM after step 11 stops at round 12, which is then made
-    global and checkpointed (streaming has no earlier round with one global model)."""
+    global and checkpointed (streaming has no earlier round with one global model). With
+    --adaptive-sync under a 100 ms WAN, K2 goes from 2 to 3 after the first cycle (step 4),
+    the checkpoints hold it and the resume goes on with it."""
     hfa = ["--sync", "hfa", "--k1", 2, "--k2", 2, "--hfa-fragments", 2, "--hfa-overlap"]
     hfa += ["--hfa-mix", 0.5, "--outer-optimizer", "nesterov", "--outer-lr", 0.7]
     hfa += ["--dc-sizes", "4,2", "--momentum", 0.9, "--steps", 16, "--checkpoint-every", 8]
+    hfa += ["--bucket-mb", 0.01, *cadence]  # buckets of 10 kB: each fragment has keys
     full, part, resumed = tmp_path / "full", tmp_path / "part", tmp_path / "resumed"
-    train(7, *hfa, "--checkpoint-dir", full)
+    train(7, *hfa, "--checkpoint-dir", full, "--metrics", tmp_path / "m.jsonl")
+    if cadence:
+        records = read_jsonl(tmp_path / "m.jsonl")
+        changes = [(r["step"], r["old_k2"], r["new_k2"]) for r in records if r.get("event") == "k2"]
+        assert changes == [(4, 2, 3)], changes
+        assert records[-1]["k2"] == 3
+        for step in (8, 16):
+            assert ckpt.load(full / ckpt.checkpoint_name(step)).algorithm["strategy"]["k2"] == 3
     res = train(
         7, *hfa, "--checkpoint-dir", part, env={"GEOMPI_FAULT_SIGNAL_AT": "11:1"}, check=False
     )

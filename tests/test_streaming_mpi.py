@@ -64,7 +64,7 @@ def test_each_fragment_goes_global_once_per_k2_rounds_at_its_offset(overlap_run)
         jobs = [
             json.loads(ln) for ln in (overlap_run / f"rounds-dc{dc}.jsonl").read_text().splitlines()
         ]
-        assert len(jobs) == 3
+        assert len(jobs) == 5
         forced = jobs[2]  # rounds 3 and 8 made global: every key; the schedule restarts after 3
         plan = {int(k): f for k, f in forced["fragment_of"].items()}
         for r, keys in enumerate(forced["global_keys"], start=1):
@@ -82,6 +82,40 @@ def test_each_fragment_goes_global_once_per_k2_rounds_at_its_offset(overlap_run)
             for f in range(fragments):  # once per K2 rounds, at rounds offset by f*K2/F
                 hits = [r for r, keys in enumerate(rounds, 1) if any(plan[k] == f for k in keys)]
                 assert len(hits) == 8 // k2 and all(b - a == k2 for a, b in zip(hits, hits[1:]))
+
+
+@pytest.mark.mpi
+def test_adaptive_cadence_with_streaming(overlap_run):
+    """HFA(adaptive=True) with 2 fragments and overlap: pinned to K2=2 it is the streaming run
+    bitwise; from K2=2 under an emulated 50 ms WAN, the local servers' timed exchanges make the
+    workers choose k2_max=4 after the first cycle (2 rounds), every fragment still goes global
+    once per cycle at its offset (the local servers' log), and every worker equals the
+    simulation with that cycle of K2s."""
+    for a, b in zip(_load(overlap_run, "overlap"), _load(overlap_run, "pinned")):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    assert json.loads((overlap_run / "pinned-k2.json").read_text()) == []
+    changes = json.loads((overlap_run / "adaptive-k2.json").read_text())
+    assert [(c["step"], c["old_k2"], c["new_k2"]) for c in changes] == [(4, 2, 4)], changes
+    assert changes[0]["exchange_s"] >= 0.1  # 50 ms each way at least
+    cycles = [2, 4]  # rounds 1-2 at K2=2, then K2=4 (rounds 3-6, 7-8)
+    refs = stream_reference([2, 3], 2, 2, 2, True, 0.5, steps=16, cycles=cycles)
+    for w, got in enumerate(_load(overlap_run, "adaptive")):
+        diff = max(float((got[k] - refs[w][k]).abs().max()) for k in got)
+        assert diff <= 1e-5, (w, diff)
+    fixed = stream_reference([2, 3], 2, 2, 2, True, 0.5, steps=16)[0]  # K2 changed the run
+    got = _load(overlap_run, "adaptive")[0]
+    assert max(float((got[k] - fixed[k]).abs().max()) for k in got) > 1e-4
+    for dc in (0, 1):
+        jobs = [
+            json.loads(ln) for ln in (overlap_run / f"rounds-dc{dc}.jsonl").read_text().splitlines()
+        ]
+        job = jobs[4]  # the adaptive one
+        plan = {int(k): f for k, f in job["fragment_of"].items()}
+        starts = [(1, 2), (3, 4), (7, 4)]  # (first round, K2) of each cycle
+        for r, keys in enumerate(job["global_keys"], start=1):
+            first, k2 = max(c for c in starts if c[0] <= r)
+            want = sorted(k for k, f in plan.items() if (r - first + 1 + f * k2 // 2) % k2 == 0)
+            assert keys == want, (dc, r, keys, want)
 
 
 @pytest.mark.mpi

@@ -7,6 +7,7 @@ import torch
 from geompi.comm.transport import Link, Requests
 from geompi.ps.protocol import (
     TAG_DATA,
+    TAG_EXCHANGES,
     TAG_PEER_PUSH,
     TAG_PEER_RESULT,
     TAG_RESULT,
@@ -62,13 +63,15 @@ class PSClient:
         weight: float = 0.0,
         spec: bytes | None = None,
         flags: int = 0,
+        k2: int = 0,
     ) -> Requests:
-        """Post this round's header (and optimizer spec); returns the round's request list."""
+        """Post this round's header (and optimizer spec); returns the round's request list.
+        ``k2``: HFA's adaptive cadence, the K2 the local server's schedule follows."""
         self.round_id += 1
         self._pushed = self._pulled = 0
         reqs = Requests(self.link.stats, self.timeout, "the local server")
         rnd = Round(
-            op, self.round_id, list(keys), float(weight), len(spec or b""), flags, self.step
+            op, self.round_id, list(keys), float(weight), len(spec or b""), flags, self.step, k2
         )
         self._header = rnd.encode()  # kept alive until the round is waited on
         self.link.igather(reqs, self._header, None, LOCAL_SERVER)
@@ -120,6 +123,11 @@ class PSClient:
         if hi > lo:
             self.link.irecv(reqs, out[lo:hi], LOCAL_SERVER, TAG_RESULT + i)
         self._pulls.append((i, out))
+
+    def pull_exchanges(self, reqs: Requests, out: torch.Tensor) -> None:
+        """A round with a K2 (adaptive HFA): receive the local server's exchange times into
+        ``out`` (float64: their sum and count) when the round is waited on."""
+        self.link.irecv(reqs, out, LOCAL_SERVER, TAG_EXCHANGES)
 
     def wait(self, reqs: Requests) -> None:
         """Complete the round. In a scattered one: sum the slices the peers sent and push

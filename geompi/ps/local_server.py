@@ -23,6 +23,7 @@ from geompi.ps.protocol import (
     FLAG_SCATTER,
     FLAG_WEIGHT_FINAL,
     TAG_DATA,
+    TAG_EXCHANGES,
     TAG_HEADER,
     TAG_RESULT,
     TAG_SPEC,
@@ -265,6 +266,9 @@ class LocalServer:
         # at each AVG round and the fragment plan, when the workers stop.
         self.round_log: list[list[int]] | None = [] if os.environ.get(_ROUND_LOG) else None
         self.pending: dict[int, tuple[Requests, torch.Tensor]] = {}
+        # HFA's adaptive cadence (rounds with a K2 in their header): each global exchange's
+        # time, scaled to the whole model, since the workers were last told (geompi.sync.hfa)
+        self.exchange_s: list[float] = []
         self.skipped = 0
         self.workers = topo.workers(self.dc)
         self.slowdown = slowdown
@@ -302,6 +306,7 @@ class LocalServer:
         if self.pending:  # an overlapped global exchange is under way: keep it moving
             while not reqs.test():
                 self.uplink.progress()
+                self._complete_arrived()
                 time.sleep(2e-4)
         reqs.wait()
         rnd, weight, with_spec = agree(headers[1:], self.workers, f"datacenter {self.dc}")
@@ -339,6 +344,8 @@ class LocalServer:
         # key goes up now, streaming's overlap waits for the result, so the round ends on one
         # global model, and the staggered schedule starts again after it.
         forced = rnd.op is Op.AVG and bool(rnd.flags & FLAG_GLOBAL)
+        # K2 is the workers' where they choose it (adaptive cadence, rnd.k2), else this server's
+        k2 = rnd.k2 or self.k2
         if rnd.op is Op.AVG:  # K2 is counted per key: GeoMX users push one key per round
             for k, _ in rnd.keys:
                 self.avg_rounds[k] = self.avg_rounds.get(k, 0) + 1
@@ -346,16 +353,17 @@ class LocalServer:
                 i
                 for i, (k, _) in enumerate(rnd.keys)
                 if forced
-                or is_global(
-                    self.avg_rounds[k], self.fragment_of.get(k, 0), self.fragments, self.k2
-                )
+                or is_global(self.avg_rounds[k], self.fragment_of.get(k, 0), self.fragments, k2)
             }
         if forced:
             self.avg_rounds.update({k: 0 for k, _ in rnd.keys})
+        elif rnd.k2:  # a chosen K2 may change after a cycle: every fragment went up once in it
+            self.avg_rounds.update({k: 0 for k, _ in rnd.keys if self.avg_rounds[k] >= k2})
         if rnd.op is Op.AVG and self.round_log is not None:
             self.round_log.append([rnd.keys[i][0] for i in sorted(due)])
         overlapped = self.overlap and rnd.op is Op.AVG and not forced
         up_index = {i: u for u, i in enumerate(sorted(due))}
+        started = None  # when the first key went up
         if due:
             flags = rnd.flags & ~FLAG_SCATTER | (FLAG_GLOBAL if rnd.op is Op.AVG else 0)
             if not self._may_skip(rnd):
@@ -395,6 +403,7 @@ class LocalServer:
                 self._merge_pending(rnd.keys[i][0], total.div_(weight))
                 total.mul_(weight)
             if i in due:
+                started = started or time.perf_counter()
                 self.uplink.send_key(up_index[i], presence_payload(total) if i == pos else total)
                 if rnd.step == self._kill_mid:
                     self.uplink.sends.wait()
@@ -416,6 +425,9 @@ class LocalServer:
             results = (
                 self.uplink.receive(up, block=False) if overlapped else self.uplink.receive(up)
             )
+            if rnd.k2 and rnd.op is Op.AVG:  # adaptive cadence: time it, for the workers
+                whole = sum(n for _, n in rnd.keys) / max(1, sum(rnd.keys[i][1] for i in due))
+                self._time_exchange(results, started, whole)
         if overlapped and due:  # answer with the datacenter averages; merge the global later
             for i in due:
                 key, n = rnd.keys[i]
@@ -430,6 +442,8 @@ class LocalServer:
         if pos is not None:  # the workers need no presence back
             outs = [b[:0] if i == pos else b for i, b in enumerate(outs)]
         self._send_results(reqs, outs, ready, scattered_positions(rnd))
+        if rnd.k2:  # after the results: this round's own exchange is timed by then
+            self._tell_exchanges()
         self._round_end = time.perf_counter()
         if rnd.op is Op.INIT:  # the time split covers training, not the start-up
             self.stats.reset_time()
@@ -443,6 +457,37 @@ class LocalServer:
             log = {"global_keys": self.round_log, "fragment_of": self.fragment_of}
             f.write(json.dumps(log) + "\n")
         self.round_log = []
+
+    def _time_exchange(self, results: list[Requests], started: float, whole: float) -> None:
+        """Adaptive cadence: record when the last of this global exchange's results is in
+        (emulated WAN holds included), as the time the whole model's would take (``whole``:
+        the model's values over those exchanged)."""
+        left = [len(results)]
+
+        def arrived() -> None:
+            left[0] -= 1
+            if left[0] == 0:
+                self.exchange_s.append((time.perf_counter() - started) * whole)
+
+        for r in results:
+            r.add_callback(arrived)
+
+    def _complete_arrived(self) -> None:
+        """Complete the overlapped results that have arrived (so their time is taken now,
+        not when they merge at the next round)."""
+        for results, _ in self.pending.values():
+            if results.test():
+                results.wait()
+
+    def _tell_exchanges(self) -> None:
+        """Adaptive cadence: every worker gets the exchanges timed since the last round (their
+        summed time and count; geompi.sync.hfa.Cadence chooses K2 from them)."""
+        reqs = Requests(self.stats, self.timeout, f"the workers of datacenter {self.dc}")
+        told = torch.tensor([sum(self.exchange_s), len(self.exchange_s)], dtype=torch.float64)
+        self.exchange_s = []
+        for j in range(len(self.workers)):
+            self.lan.isend(reqs, told, 1 + j, TAG_EXCHANGES, control=True)
+        reqs.wait()
 
     def _merge_pending(self, key: int, average: torch.Tensor) -> None:
         """Streaming HFA with overlap: the global result of this key's previous round arrives

@@ -64,10 +64,10 @@ FLAG_SCATTER = 128
 _NOTHING = -1.0  # what a presence buffer holds when an empty message arrived in it
 
 MAX_KEYS = 256
-_FIXED = 7  # op, round, weight, nkeys, spec_len, flags, step
+_FIXED = 8  # op, round, weight, nkeys, spec_len, flags, step, k2
 _WEIGHT = 2  # the weight's position in a header
 _SPEC_LEN = 4
-_AGREE = [0, 1, 3, 5, -2, -1]  # op, round, key count, flags, the presence key's slot
+_AGREE = [0, 1, 3, 5, 7, -2, -1]  # op, round, key count, flags, k2, the presence key's slot
 
 TAG_SNAPSHOT = 21  # on the world communicator: a global server's state -> the master worker
 TAG_RESTORE = 22  # on the world communicator: checkpointed state -> a global server
@@ -76,6 +76,7 @@ TAG_DEPOSIT_SPEC = 25  # on global_comm: a datacenter's new hyperparameters (FLA
 TAG_HEADER = 11
 TAG_TRAILER = 13  # after a round's data: the sender's final weight (0: it skipped the round)
 TAG_SPEC = 12
+TAG_EXCHANGES = 14  # AVG with k2 (adaptive HFA): local server -> workers, its exchange times
 TAG_DATA = 1000  # + position of the key in the round
 TAG_RESULT = 1000 + MAX_KEYS
 TAG_PEER_PUSH = 1000 + 2 * MAX_KEYS  # + position: a slice of a worker's push, to its holder
@@ -93,6 +94,9 @@ class Round:
     spec_len: int = 0
     flags: int = 0
     step: int = 0  # the sender's training step, for messages
+    # AVG, workers -> local server (HFA's adaptive cadence): the K2 the workers chose, by which
+    # the local server runs its (staggered) schedule; 0: the local server counts its own K2
+    k2: int = 0
 
     def encode(self) -> torch.Tensor:
         """The fixed-size header. With FLAG_PRESENCE the presence key (the last) sits in the
@@ -108,19 +112,21 @@ class Round:
         if len(keys) > MAX_KEYS:
             raise ValueError(f"a round carries at most {MAX_KEYS} keys")
         fixed = [int(self.op), self.round_id, self.weight, len(keys)]
-        fixed += [self.spec_len, self.flags, self.step]
+        fixed += [self.spec_len, self.flags, self.step, self.k2]
         values = fixed + [v for key in keys for v in key]  # one conversion, not one per key
         h[: len(values)] = torch.tensor(values, dtype=torch.float64)
         return h
 
     @classmethod
     def decode(cls, h: torch.Tensor) -> Round:
-        op, rid, weight, nkeys, spec_len, flags, step = h[:_FIXED].tolist()
+        op, rid, weight, nkeys, spec_len, flags, step, k2 = h[:_FIXED].tolist()
         flat = [int(v) for v in h[_FIXED : _FIXED + 2 * int(nkeys)].tolist()]
         keys = list(zip(flat[::2], flat[1::2]))
         if int(flags) & FLAG_PRESENCE and h[-1] > 0:  # a full header (a wire one lacks it)
             keys.append((int(h[-2]), int(h[-1])))
-        return cls(Op(int(op)), int(rid), keys, weight, int(spec_len), int(flags), int(step))
+        return cls(
+            Op(int(op)), int(rid), keys, weight, int(spec_len), int(flags), int(step), int(k2)
+        )
 
 
 def presence_position(rnd: Round) -> int | None:
@@ -211,16 +217,18 @@ def agree(headers: torch.Tensor, senders: list[int], where: str) -> tuple[Round,
         return first, weight, [s for s, (_, spec) in zip(senders, values) if spec]
     rounds = [Round.decode(h) for h in headers]
     for sender, r in zip(senders, rounds):
-        if (r.op, r.round_id, r.keys, r.flags) != (
+        if (r.op, r.round_id, r.keys, r.flags, r.k2) != (
             first.op,
             first.round_id,
             first.keys,
             first.flags,
+            first.k2,
         ):
+            k2 = f" (K2 {r.k2} against {first.k2})" if r.k2 != first.k2 else ""
             raise ProtocolError(
                 f"{where}: rank {sender} sent round {r.round_id} {r.op.name} keys "
                 f"{[k for k, _ in r.keys]} but rank {senders[0]} sent round {first.round_id} "
-                f"{first.op.name} keys {[k for k, _ in first.keys]}: every worker must push "
+                f"{first.op.name} keys {[k for k, _ in first.keys]}{k2}: every worker must push "
                 "the same keys in the same order"
             )
     weight = float(sum(r.weight for r in rounds))

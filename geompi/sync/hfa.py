@@ -41,9 +41,10 @@ class HFA(Algorithm):
     overlap: bool = False  # streaming: a fragment's global result merges one round later
     mix: float = 1.0  # streaming with overlap: mix * global + (1 - mix) * local
     # Adaptive cadence: K2 (starting at k2) is re-chosen after every global average from the
-    # measured extra time of a global average over a datacenter one (the WAN exchange) and the
-    # compute time of a datacenter round, so the exchange takes about ``wan_share`` of the wall
-    # time: K2 = ceil(exchange / (wan_share * round compute)), within [k2_min, k2_max].
+    # time the local servers measured for a global exchange of the whole model and the compute
+    # time of a datacenter round, so that exchanges take about ``wan_share`` of the wall time
+    # (with overlap, of the link's: they hide behind compute): K2 = ceil(exchange / (wan_share
+    # * round compute)), within [k2_min, k2_max]. Streaming's fragments go on the same cycle.
     adaptive: bool = False
     k2_min: int = 1
     k2_max: int = 64
@@ -85,7 +86,7 @@ class HFA(Algorithm):
         check_streaming(self.fragments, self.overlap, self.mix, self.k2, "HFA(", ")")
         if self.adaptive:
             check_adaptive(
-                self.k2, self.k2_min, self.k2_max, self.wan_share, self.streaming, _show_keyword
+                self.k2, self.k2_min, self.k2_max, self.wan_share, self.overlap, _show_keyword
             )
 
     def check_survivable(self) -> None:
@@ -135,7 +136,7 @@ class HFA(Algorithm):
         from geompi.ps.servers import build_server  # MPI loads with the servers, not before
 
         streaming = {"fragments": self.fragments, "overlap": self.overlap, "mix": self.mix}
-        # adaptive: the workers choose the global rounds (FLAG_GLOBAL), never the counter
+        # adaptive: every round brings the K2 the workers chose (Round.k2), never this one
         k2 = 2**31 if self.adaptive else self.k2
         return build_server(topo, comms, stats, k2=k2, streaming=streaming, **_sync_tier(common))
 
@@ -166,7 +167,7 @@ def _show_keyword(setting: str, value=None) -> str:
 
 
 def check_adaptive(
-    k2: int | None, k2_min: int, k2_max: int, wan_share: float, streaming: bool, show
+    k2: int | None, k2_min: int, k2_max: int, wan_share: float, overlap: bool, show
 ) -> None:
     """Adaptive cadence's settings, for the API (``HFA(adaptive=True, ...)``) and the CLI's
     flags (each checks the whole numbers itself). ``show(setting, value)`` writes a setting as
@@ -180,26 +181,32 @@ def check_adaptive(
         )
     if not (isinstance(wan_share, int | float) and 0 < wan_share < 1):
         raise ConfigError(f"{show('wan_share', wan_share)}: must be in (0, 1)")
-    if streaming:
+    if overlap and k2_min < 2:
         raise ConfigError(
-            f"{show('adaptive', True)} with {show('fragments')} or {show('overlap')} is not "
-            "supported yet: drop one of them"
+            f"{show('overlap')} with {show('adaptive', True)} needs {show('k2_min')} >= 2: a "
+            "fragment's global result merges at its next datacenter round, which must not be "
+            "global again"
         )
 
 
 class Cadence:
-    """HFA's adaptive K2 on the workers (``HFA(adaptive=True)``): which datacenter averages go
-    global, from what the averages took. Every worker measures its own averages; after each
-    global one they agree on the largest K2 any of them asks for (a MAX over every worker), so
-    all go global at the same rounds; their local servers then never choose on their own."""
+    """HFA's adaptive K2 on the workers (``HFA(adaptive=True)``). Each datacenter average
+    carries the current K2 to the local server, whose (staggered) schedule follows it, and
+    brings back the global exchanges it timed since the last; each worker times its own
+    compute. After each cycle of K2 rounds the workers agree on the smallest K2 any of them
+    asks for (a MIN over every worker), so every datacenter changes it at the same round. The
+    smallest: a datacenter that reaches the global tier before another also times its wait for
+    that one; the last to arrive times the exchange alone."""
 
     WINDOW = 5  # the median of the last few measurements of each kind
 
     def __init__(self, algo: HFA, all_workers) -> None:
         self.algo, self.comm = algo, all_workers
         self.k2 = algo.k2
-        self.since_global = 0  # datacenter-only averages since the last global one
-        self.waits: dict[bool, list[float]] = {True: [], False: []}  # by "was global"
+        self.since_global = 0  # datacenter averages since the last cycle's end
+        # the local server's exchange times, scaled to the whole model (TAG_EXCHANGES)
+        self.told = torch.zeros(2, dtype=torch.float64)  # their sum and count, per round
+        self.exchanges: list[float] = []  # their mean, per round that had any
         self.computes: list[float] = []  # between one average's end and the next one's start
         self.t_end: float | None = None
         self.changes: list[dict] = []  # every change of K2, with what it was decided on
@@ -218,17 +225,18 @@ class Cadence:
     def next_is_global(self) -> bool:
         return self.since_global + 1 >= self.k2
 
-    def begin(self) -> float:
+    def begin(self) -> None:
         """An average starts now (after a datacenter round's compute)."""
-        now = time.perf_counter()
         if self.t_end is not None:
-            self.computes.append(now - self.t_end)
-        return now
+            self.computes.append(time.perf_counter() - self.t_end)
 
-    def end(self, started: float, was_global: bool, step: int, decide: bool = True) -> None:
-        """The average that began at ``started`` is done; after a global one, choose K2."""
+    def end(self, was_global: bool, step: int, decide: bool = True) -> None:
+        """The average is done (``told`` holds what its local server timed); after a cycle's
+        last one (or a forced global one), choose K2."""
         self.t_end = time.perf_counter()
-        self.waits[was_global].append(self.t_end - started)
+        total, count = self.told.tolist()
+        if count:
+            self.exchanges.append(total / count)
         if not was_global:
             self.since_global += 1
             return
@@ -243,10 +251,12 @@ class Cadence:
         def recent(values: list[float]) -> float:
             return statistics.median(values[-self.WINDOW :]) if values else 0.0
 
-        exchange = max(0.0, recent(self.waits[True]) - recent(self.waits[False]))
+        if not self.exchanges:  # none has come back yet (overlap): keep K2
+            return
+        exchange = recent(self.exchanges)
         compute = recent(self.computes)
         wanted = np.array([self.algo.next_k2(exchange, compute)], dtype=np.int64)
-        self.comm.Allreduce(MPI.IN_PLACE, wanted, op=MPI.MAX)  # every worker: the same K2
+        self.comm.Allreduce(MPI.IN_PLACE, wanted, op=MPI.MIN)  # every worker: the same K2
         k2 = int(wanted[0])
         if k2 != self.k2:
             self.changes.append(

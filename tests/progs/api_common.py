@@ -284,6 +284,7 @@ def stream_reference(
     mix: float,
     steps: int,
     forced: tuple[int, ...] = (),
+    cycles: list[int] | None = None,
 ) -> list[dict[str, torch.Tensor]]:
     """An independent simulation of streaming HFA with one key per parameter (keys in reverse
     parameter order, as backward produces them): fragments as _fragment_runs cuts them, fragment f
@@ -291,7 +292,10 @@ def stream_reference(
     datacenter average at that round and ``mix * global + (1 - mix) * average`` at the next.
     After the steps in ``forced``, every parameter goes global at once: each datacenter's
     average, with a pending global result mixed in first, is averaged by the datacenters'
-    samples, every worker gets it, nothing stays pending, and the rounds count from 0 again."""
+    samples, every worker gets it, nothing stays pending, and the rounds count from 0 again.
+    With ``cycles`` (adaptive cadence), K2 is cycles[c] in the c-th cycle of datacenter rounds
+    (the last one goes on): the rounds count from 0 again after each cycle's K2 of them, or
+    after a forced round."""
     workers = sum(dc_sizes)
     dcs = [list(range(sum(dc_sizes[:d]), sum(dc_sizes[: d + 1]))) for d in range(len(dc_sizes))]
     models = [make_model(1) for _ in range(workers)]
@@ -301,6 +305,7 @@ def stream_reference(
     frag = dict(zip(names, _fragment_runs(sizes, fragments)))
     loss_fn = nn.CrossEntropyLoss()
     samples, rnd, pending = [0] * workers, 0, {}
+    cycles = list(cycles or [k2])
     for t in range(steps):
         for w in range(workers):
             x, y = batch(w, t)
@@ -311,6 +316,7 @@ def stream_reference(
         if (t + 1) % k1:
             continue
         rnd += 1
+        k2 = cycles[0]
         with torch.no_grad():
             params = [dict(m.named_parameters()) for m in models]
             if t + 1 in forced:
@@ -324,6 +330,7 @@ def stream_reference(
                     for w in range(workers):
                         params[w][name].copy_(glob)
                 samples, rnd = [0] * workers, 0
+                cycles = cycles[1:] or cycles  # a cycle ends here too
                 continue
             for name in names:
                 glob = (rnd + frag[name] * k2 // fragments) % k2 == 0
@@ -343,5 +350,7 @@ def stream_reference(
                     pending[name] = everyone
                 elif name in pending:
                     del pending[name]
+        if rnd == k2:  # a cycle ends: the next one's K2
+            rnd, cycles = 0, cycles[1:] or cycles
         samples = [0] * workers
     return [{k: v.detach().clone() for k, v in m.state_dict().items()} for m in models]
