@@ -425,6 +425,36 @@ def render_ulfm_exit(d: dict) -> list[str]:
     return out
 
 
+def render_adaptive_wan(d: dict) -> list[str]:
+    rows = []
+    for link, runs in d["runs"].items():
+        for method, r in runs.items():
+            changes = ", ".join(
+                f"{c['old_k2']}->{c['new_k2']} at {c['step']}" for c in r.get("k2_changes", [])
+            )
+            rows.append([link, method, r["k2"], changes or "-", r["global_averages"],
+                         num(r["utilisation"], 3), num(r["wan_data_up_bytes"] / 1e6, 1),
+                         num(r["final_loss"], 4)])  # fmt: skip
+    header = ["link", "method", "final K2", "K2 changes", "global averages", "utilisation"]
+    out = table(header + ["WAN data up (MB)", "final loss"], rows)
+    f = d["figures"]
+    out.append("")
+    out.append(
+        f"Goal: {f.get('goal', 'K2 follows the link; utilisation >= 0.9 on both links')}. "
+        f"Adaptive HFA: K2 follows the link {f['k2_follows_the_link']}, utilisation "
+        f"{num(f['adaptive_utilisation_1gbit'], 3)} / {num(f['adaptive_utilisation_100mbit'], 3)}."
+    )
+    if "streaming_utilisation_1gbit" in f:
+        out.append(
+            f"Adaptive streaming HFA: K2 follows the link {f['streaming_k2_follows_the_link']}, "
+            f"utilisation {num(f['streaming_utilisation_1gbit'], 3)} / "
+            f"{num(f['streaming_utilisation_100mbit'], 3)} (1 Gbit/s / 100 Mbit/s)."
+        )
+    if d.get("note"):
+        out += ["", d["note"]]
+    return out
+
+
 def render_generic(d: dict) -> list[str]:
     skip = {"benchmark", "command"}
     rows = [
@@ -447,8 +477,11 @@ RENDERERS = {
     "failure_fsa": render_failure,
     "failure_mixed": render_failure,
     "ulfm_exit": render_ulfm_exit,
+    "adaptive_wan": render_adaptive_wan,
+    "adaptive_wan_320": render_adaptive_wan,
 }
 TITLES = {
+    "adaptive_wan": "HFA's adaptive cadence on two emulated WAN links (1 Gbit/s, 100 Mbit/s)",
     "throughput": "Training throughput: geompi against torch DDP and HierarchicalModelAverager",
     "sync_overhead": "FSA synchronization round against MPI Allreduce and gloo all_reduce",
     "mixed_slowdown": "MixedSync against FSA with one datacenter slowed down",
