@@ -80,6 +80,36 @@ def test_adaptive_k2_keeps_the_exchange_at_its_share_of_the_wall_time():
     assert algo.next_k2(exchange_s=1.0, round_compute_s=0.0) == 40  # no compute measured
 
 
+class _MinOver:
+    """A stand-in for the workers' communicator (a second rank cannot exist in a unit test):
+    its Allreduce is a MIN of this worker's value and ``others``, and it counts the calls."""
+
+    def __init__(self, *others: int) -> None:
+        self.others, self.calls = others, 0
+
+    def Allreduce(self, _in_place, buf, op) -> None:  # noqa: N802 - mpi4py's name
+        self.calls += 1
+        buf[0] = min([int(buf[0]), *self.others])
+
+
+def test_adaptive_cadence_makes_its_collective_before_any_exchange_came_back():
+    """With overlap a worker may reach a cycle's end before any timed exchange came back to it,
+    while another datacenter's workers have one: it must still make the Allreduce (a rank that
+    skips it hangs the others), asking for nothing, and take the others' K2; with no worker
+    asking, K2 stays."""
+    from geompi.sync.hfa import Cadence
+
+    algo = HFA(k1=2, k2=2, adaptive=True, k2_min=2, k2_max=8, overlap=True, fragments=2)
+    for others, want in [((5,), 5), ((2**63 - 1,), 2)]:  # another worker asks 5; nobody asks
+        comm = _MinOver(*others)
+        cadence = Cadence(algo, comm)
+        cadence.start()
+        for _ in range(2):  # a cycle of K2=2 rounds; nothing timed came back (count 0)
+            cadence.begin()
+            cadence.end(cadence.next_is_global(), step=4)
+        assert comm.calls == 1 and cadence.k2 == want, (others, comm.calls, cadence.k2)
+
+
 def test_server_spec_reads_the_users_optimizer():
     p = [torch.nn.Parameter(torch.zeros(3))]
     spec = server_spec(torch.optim.SGD(p, lr=0.2, momentum=0.5, nesterov=True), "X")

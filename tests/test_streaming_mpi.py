@@ -24,6 +24,11 @@ def overlap_run(tmp_path_factory):
     return out
 
 
+def _round_logs(out, dc: int) -> list[dict]:
+    """Datacenter ``dc``'s local server round log, an entry per job (GEOMPI_TEST_ROUND_LOG)."""
+    return [json.loads(ln) for ln in (out / f"rounds-dc{dc}.jsonl").read_text().splitlines()]
+
+
 def _load(out, name):
     return [torch.load(out / f"{name}-w{w}.pt") for w in range(WORKERS)]
 
@@ -61,9 +66,7 @@ def test_streaming_equals_an_independent_simulation(
 def test_each_fragment_goes_global_once_per_k2_rounds_at_its_offset(overlap_run):
     """From the local servers' own log of the keys they sent to the global servers."""
     for dc in (0, 1):
-        jobs = [
-            json.loads(ln) for ln in (overlap_run / f"rounds-dc{dc}.jsonl").read_text().splitlines()
-        ]
+        jobs = _round_logs(overlap_run, dc)
         assert len(jobs) == 5
         forced = jobs[2]  # rounds 3 and 8 made global: every key; the schedule restarts after 3
         plan = {int(k): f for k, f in forced["fragment_of"].items()}
@@ -106,9 +109,7 @@ def test_adaptive_cadence_with_streaming(overlap_run):
     got = _load(overlap_run, "adaptive")[0]
     assert max(float((got[k] - fixed[k]).abs().max()) for k in got) > 1e-4
     for dc in (0, 1):
-        jobs = [
-            json.loads(ln) for ln in (overlap_run / f"rounds-dc{dc}.jsonl").read_text().splitlines()
-        ]
+        jobs = _round_logs(overlap_run, dc)
         job = jobs[4]  # the adaptive one
         plan = {int(k): f for k, f in job["fragment_of"].items()}
         starts = [(1, 2), (3, 4), (7, 4)]  # (first round, K2) of each cycle

@@ -251,13 +251,17 @@ class Cadence:
         def recent(values: list[float]) -> float:
             return statistics.median(values[-self.WINDOW :]) if values else 0.0
 
-        if not self.exchanges:  # none has come back yet (overlap): keep K2
-            return
         exchange = recent(self.exchanges)
         compute = recent(self.computes)
-        wanted = np.array([self.algo.next_k2(exchange, compute)], dtype=np.int64)
+        # A worker none of whose exchanges has come back yet (overlap) still takes part in the
+        # one collective every worker makes here, asking for nothing (the MIN ignores it)
+        none = np.iinfo(np.int64).max
+        asked = self.algo.next_k2(exchange, compute) if self.exchanges else none
+        wanted = np.array([asked], dtype=np.int64)
         self.comm.Allreduce(MPI.IN_PLACE, wanted, op=MPI.MIN)  # every worker: the same K2
         k2 = int(wanted[0])
+        if k2 == none:  # no worker has one: keep K2
+            return
         if k2 != self.k2:
             self.changes.append(
                 {
