@@ -48,11 +48,12 @@ def script_command(name: str) -> str | None:
 
 
 def meets(value: float | None, goal: str | None) -> str:
-    """'yes' / 'no' for a goal such as '>= 1.0' or '<= 1.5'; '' when either is unknown."""
-    m = re.match(r"\s*(>=|<=|>|<)\s*([0-9.eE+-]+)", goal or "")
+    """'yes' / 'no' for a goal such as '>= 1.0', '<= 1.5' or '<= 1/4'; '' when either is
+    unknown."""
+    m = re.match(r"\s*(>=|<=|>|<)\s*([0-9.eE+-]+)(?:\s*/\s*([0-9.]+))?", goal or "")
     if value is None or m is None:
         return ""
-    op, bound = m.group(1), float(m.group(2))
+    op, bound = m.group(1), float(m.group(2)) / float(m.group(3) or 1)  # "<= 1/4" too
     ok = {">=": value >= bound, "<=": value <= bound, ">": value > bound, "<": value < bound}[op]
     return "yes" if ok else "**no**"
 
@@ -455,6 +456,110 @@ def render_adaptive_wan(d: dict) -> list[str]:
     return out
 
 
+def render_local_server_scaling(d: dict) -> list[str]:
+    rows = []
+    for w, r in sorted(d["by_workers"].items(), key=lambda kv: int(kv[0])):
+        f, ratio = r["figures"], r["ratios_scatter_over_funnel"]
+        rows.append(
+            [
+                w,
+                num(f["funnel"]["busiest_bytes_per_step"]["median"] / 1e6, 1),
+                num(f["scatter"]["busiest_bytes_per_step"]["median"] / 1e6, 1),
+                num(f["scatter"]["local_server_bytes_per_step"]["median"] / 1e6, 1),
+                num(f["funnel"]["round_s"]["median"], 4),
+                num(f["scatter"]["round_s"]["median"], 4),
+                num(ratio["round_s"]),
+            ]
+        )
+    model = next(iter(d["by_workers"].values()))["model_bytes"]
+    out = table(
+        [
+            "workers per datacenter",
+            "busiest process, funnel MB/step",
+            "busiest process, scatter MB/step",
+            "local server, scatter MB/step",
+            "round s, funnel",
+            "round s, scatter",
+            "scatter / funnel round",
+        ],
+        rows,
+    )
+    out += ["", f"FSA rounds of a {model / 1e6:.1f} MB model; medians of the repeats per size."]
+    return out
+
+
+def render_streaming_wan(d: dict) -> list[str]:
+    rows = []
+    for link, methods in d["summary"].items():
+        for method, m in methods.items():
+            rows.append(
+                [
+                    link,
+                    method,
+                    num(m["utilisation"], 3),
+                    num(m["time_to_target_s"], 1),
+                    num(m["wan_data_bytes_to_target"] / 1e6, 1),
+                    num(m["peak_round_wan_bytes"] / 1e6, 2),
+                    num(m["final_loss_1gbit"], 3),
+                ]
+            )
+    out = table(
+        [
+            "link",
+            "method",
+            "utilisation",
+            "time to target s",
+            "WAN data MB to target",
+            "peak WAN MB per round",
+            "final loss (1 Gbit/s run)",
+        ],
+        rows,
+    )
+    bounds = d.get("goal_bounds", {})
+    goals = [
+        [k, num(v, 3), bounds.get(k, ""), meets(v, bounds.get(k))]
+        for k, v in d.get("goals", {}).items()
+    ]
+    out += ["", f"{d.get('model')}, target loss {num(d.get('target_loss'))}.", ""]
+    out += table(["goal", "value", "bound", "met"], goals)
+    if d.get("note"):
+        out += ["", d["note"]]
+    return out
+
+
+def render_throughput_lm(d: dict) -> list[str]:
+    sps, per_rep, goals = d["samples_per_s"], d.get("ratio_per_rep", {}), d.get("goals", {})
+    pairs = {"geompi_fsa_vs_torch_ddp": ("geompi_fsa", "torch_ddp"),
+             "geompi_hfa_vs_torch_avg": ("geompi_hfa", "torch_avg")}  # fmt: skip
+    rows = []
+    for name, ratio in d["ratio_median"].items():
+        ours, theirs = pairs.get(name, (None, None))
+        reps = per_rep.get(name, [])
+        rows.append(
+            [
+                name.replace("_vs_", " / "),
+                num(sps.get(ours)),
+                num(sps.get(theirs)),
+                num(ratio),
+                f"{num(min(reps))} to {num(max(reps))}" if reps else "",
+                goals.get(name, ""),
+                meets(ratio, goals.get(name)),
+            ]
+        )
+    out = table(
+        ["comparison", "geompi samples/s", "torch samples/s", "ratio", "over the repeats",
+         "goal", "met"],
+        rows,
+    )  # fmt: skip
+    out += [
+        "",
+        f"{d.get('model')}, {d.get('workers')} workers of {d.get('ranks')} ranks, batch "
+        f"{d.get('batch_size')} x {d.get('seq')} tokens, {d.get('optimizer')}, median of "
+        f"{d.get('reps')} interleaved repeats.",
+    ]
+    return out
+
+
 def render_generic(d: dict) -> list[str]:
     skip = {"benchmark", "command"}
     rows = [
@@ -479,6 +584,10 @@ RENDERERS = {
     "ulfm_exit": render_ulfm_exit,
     "adaptive_wan": render_adaptive_wan,
     "adaptive_wan_320": render_adaptive_wan,
+    "local_server_scaling": render_local_server_scaling,
+    "streaming_wan": render_streaming_wan,
+    "streaming_wan_k2_16": render_streaming_wan,
+    "throughput_lm": render_throughput_lm,
 }
 TITLES = {
     "adaptive_wan": "HFA's adaptive cadence on two emulated WAN links (1 Gbit/s, 100 Mbit/s)",
@@ -493,6 +602,10 @@ TITLES = {
     "failure": "A datacenter lost mid-run: --on-failure continue against a checkpoint restart",
     "failure_fsa": "The same with FSA (bench/failure.py --sync fsa)",
     "failure_mixed": "The same with MixedSync (bench/failure.py --sync mixed)",
+    "local_server_scaling": "The local server's load as a datacenter grows: funnel or scatter",
+    "streaming_wan": "Streaming and quantized HFA on two emulated WAN links",
+    "streaming_wan_k2_16": "The same with K2 = 16 (bench/streaming_wan.py --k2 16)",
+    "throughput_lm": "Throughput on the 5M-parameter transformer: geompi against torch",
     "ulfm_exit": "Ending a job after a lost rank: how often mpirun --with-ft ulfm hangs",
 }
 
