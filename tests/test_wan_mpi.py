@@ -29,13 +29,20 @@ def per_step(rec: dict, name: str, key: str = "wan_data_bytes") -> float:
 
 
 def test_uncompressed_wan_bytes_are_the_model_both_ways(wan):
-    _, meta = wan
+    out, meta = wan
     rec, n = meta["record"], meta["numel"]
     # each datacenter pushes n fp32 values and pulls n back, every step
     assert per_step(rec, "fsa_none") == DCS * 2 * 4 * n
     assert per_step(rec, "mixed_none") == DCS * 2 * 4 * n
     # HFA with K1*K2 = 6: one global round between step 6 and step 12
     assert per_step(rec, "hfa_none") * 6 == DCS * 2 * 4 * n
+    # INIT, once: the master's datacenter alone sends its values up (the others' sums are
+    # zeros), and every datacenter gets them back. INIT carries the presence key too: one count
+    # per parameter and global server (the mlp has parameters only, no buffers).
+    init = n + meta["common"]["global_servers"] * len(torch.load(out / "fsa_none_6.pt"))
+    assert rec["fsa_none_6"]["wan_data_bytes"] - 6 * per_step(rec, "fsa_none") == (
+        (1 + DCS) * 4 * init
+    )
 
 
 def test_bf16_halves_wan_bytes_exactly(wan):

@@ -46,6 +46,7 @@ from geompi.ps.protocol import (
     presence_position,
     received_presence,
     sender_weights,
+    sends_values,
     wire_header,
 )
 from geompi.ps.wan import TierCodec
@@ -211,21 +212,24 @@ class GlobalServer:
         ]
         per_key = [Requests(self.stats, self.timeout, "the local servers") for _ in sizes]
         trailers = torch.zeros(d, dtype=torch.float64)
+        senders = [ls for ls in range(d) if sends_values(rnd, ls)]  # INIT: the master's only
         for ls in range(d):
+            self.link.irecv(reqs, trailers[ls : ls + 1], ls, TAG_TRAILER)
+            if ls not in senders:
+                continue
             for i, buf in enumerate(incoming[ls]):
                 if i == pos:  # may come empty: every parameter of that datacenter present
                     expect_presence(buf)
                     self.link.irecv_short(per_key[i], buf, ls, TAG_DATA + i)
                 elif sizes[i]:
                     self.link.irecv(per_key[i], buf, ls, TAG_DATA + i)
-            self.link.irecv(reqs, trailers[ls : ls + 1], ls, TAG_TRAILER)
         if rnd.flags & FLAG_WEIGHT_FINAL:  # each key goes on as soon as it arrived
             weights = sender_weights(headers)
         else:  # a local server may still skip the round (weight 0): wait for every trailer
             reqs.wait()
             weights = trailers
         # A gradient from a datacenter that skipped a non-finite round (weight 0) is left out.
-        used = [ls for ls in range(d) if rnd.op is not Op.GRAD or weights[ls] > 0]
+        used = [ls for ls in senders if rnd.op is not Op.GRAD or weights[ls] > 0]
         weight = float(weights[used].sum()) if used else 0.0
         order = list(range(len(rnd.keys)))
         if pos is not None:
@@ -245,7 +249,7 @@ class GlobalServer:
             per_key[i].wait()
             if i == pos:
                 self.stats.received[WAN] += sum(
-                    received_presence(incoming[ls][i]) for ls in range(d)
+                    received_presence(incoming[ls][i]) for ls in senders
                 )
             row = [incoming[ls][i] for ls in used]
             if compressed:

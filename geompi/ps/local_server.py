@@ -38,6 +38,7 @@ from geompi.ps.protocol import (
     presence_position,
     received_presence,
     scattered_positions,
+    sends_values,
     wire_header,
     worker_slice,
 )
@@ -127,6 +128,8 @@ class SyncUplink:
                 self._send(self.sends, spec_t, gs, TAG_SPEC, control=True)
 
     def send_key(self, i: int, buf: torch.Tensor) -> None:
+        if not sends_values(self.rnd, self.link.rank):  # INIT: the master's datacenter only
+            return
         key, n = self.rnd.keys[i]
         ref_weight = self.rnd.weight if self.rnd.op is Op.AVG else 0.0
         for g, gs in enumerate(self._servers()):

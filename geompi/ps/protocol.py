@@ -159,6 +159,18 @@ def plain_positions(rnd: Round) -> set[int]:
     return {i for i in (presence_position(rnd), mean_position(rnd)) if i is not None}
 
 
+# The datacenter of the master worker (rank 0 is always its first worker): in an INIT round its
+# local server alone sends values up; every other datacenter's sum is zeros.
+INIT_SOURCE = 0
+
+
+def sends_values(rnd: Round, dc: int) -> bool:
+    """Whether datacenter ``dc``'s local server sends the round's values to the global servers:
+    always, but for INIT only the master's datacenter (the others would send the whole model as
+    zeros over the WAN; the global servers take the master's values alone)."""
+    return rnd.op is not Op.INIT or dc == INIT_SOURCE
+
+
 def presence_payload(counts: torch.Tensor) -> torch.Tensor:
     """What a sender pushes for a presence key: nothing when every parameter is present."""
     return counts[:0] if bool((counts > 0).all()) else counts
