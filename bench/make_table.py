@@ -499,6 +499,9 @@ def render_streaming_wan(d: dict) -> list[str]:
                     num(m["utilisation"], 3),
                     num(m["time_to_target_s"], 1),
                     num(m["wan_data_bytes_to_target"] / 1e6, 1),
+                    num(m["startup_wan_data_bytes"] / 1e6, 1)
+                    if "startup_wan_data_bytes" in m
+                    else "in the pro rata share",
                     num(m["peak_round_wan_bytes"] / 1e6, 2),
                     num(m["final_loss_1gbit"], 3),
                 ]
@@ -510,6 +513,7 @@ def render_streaming_wan(d: dict) -> list[str]:
             "utilisation",
             "time to target s",
             "WAN data MB to target",
+            "of which start-up (INIT) MB",
             "peak WAN MB per round",
             "final loss (1 Gbit/s run)",
         ],

@@ -16,8 +16,10 @@ and 1 Gbit/s, both 50 ms one way.
 - The target loss is FSA's final loss (the mean of its last 8 steps); a method's steps to the
   target are the first step whose 8-step mean is at or below it.
 - WAN data bytes are what the local servers sent up (``opt.close()``'s
-  ``wan_data_up_bytes``); the bytes to the target are the run's bytes times the share of its
-  steps needed (they accrue evenly by datacenter round). Peak bytes per datacenter round: the
+  ``wan_data_up_bytes``). The bytes to the target are the start-up's (the INIT round, measured
+  by a job of the same method that takes no step) in full, plus the rest of the run's bytes
+  times the share of its steps needed (they accrue evenly by datacenter round; the final
+  global average of ``close()`` is in that rest, pro rata). Peak bytes per datacenter round: the
   most one local server sent up in one round. Utilisation: 1 - (a worker's wait in MPI) /
   (its wall time), averaged over workers.
 
@@ -101,6 +103,18 @@ def run(method: str, link: str, steps: int) -> dict:
     }
 
 
+def startup_bytes(method: str) -> int:
+    """The WAN data bytes of a job of ``method`` that takes no step: its INIT round."""
+    sync, compression = METHODS[method]
+    model, opt = model_and_adamw(lm, args.seq)
+    opt = geompi.DistributedOptimizer(
+        opt, model, sync=sync, bucket_mb=1, wan_compression=compression
+    )
+    report = opt.close()
+    return report["wan_data_up_bytes"] if report is not None else 0
+
+
+startup = {method: startup_bytes(method) for method in METHODS}
 results: dict[str, dict[str, dict]] = {link: {} for link in LINKS}
 for link in ("1Gbit", "100Mbit"):
     for method in METHODS:
@@ -135,7 +149,8 @@ for link, runs in results.items():
         curve = smooth(fast[method]["loss"])
         reach = next((i + 1 for i, v in enumerate(curve) if v <= target), None)
         per_step = statistics.median(b - a for a, b in zip([0.0] + r["wall_s"][:-1], r["wall_s"]))
-        full_bytes = fast[method]["wan_data_bytes"] * (r["steps"] / fast[method]["steps"])
+        once = startup[method]  # counted in full: it is all sent before the first step
+        full_bytes = (fast[method]["wan_data_bytes"] - once) * (r["steps"] / fast[method]["steps"])
         summary.setdefault(link, {})[method] = {
             "utilisation": r["utilisation"],
             "peak_round_wan_bytes": r["peak_round_wan_bytes"],
@@ -143,7 +158,10 @@ for link, runs in results.items():
             "time_to_target_s": None
             if reach is None
             else (r["wall_s"][reach - 1] if reach <= r["steps"] else reach * per_step),
-            "wan_data_bytes_to_target": None if reach is None else full_bytes * reach / r["steps"],
+            "wan_data_bytes_to_target": None
+            if reach is None
+            else once + full_bytes * reach / r["steps"],
+            "startup_wan_data_bytes": once,
             "final_loss_1gbit": curve[-1],
         }
 s100 = summary["100Mbit"]
@@ -195,10 +213,10 @@ for method, r in results["100Mbit"].items():
         per = statistics.median(b - a for a, b in zip([0.0] + r["wall_s"][:-1], r["wall_s"]))
         walls = [per * (i + 1) for i in range(f["steps"])]
     ax1.plot(walls, smooth(f["loss"]), label=method)
-    per_step_bytes = f["wan_data_bytes"] / f["steps"]
-    ax2.plot(
-        [per_step_bytes * (i + 1) / 1e6 for i in range(f["steps"])], smooth(f["loss"]), label=method
-    )
+    once = startup[method]
+    per_step_bytes = (f["wan_data_bytes"] - once) / f["steps"]
+    sent = [(once + per_step_bytes * (i + 1)) / 1e6 for i in range(f["steps"])]
+    ax2.plot(sent, smooth(f["loss"]), label=method)
 ax1.set_xlabel("wall time (s), 100 Mbit/s 50 ms WAN")
 ax2.set_xlabel("WAN data (MB)")
 ax2.set_xscale("log")
