@@ -533,11 +533,9 @@ def render_streaming_wan(d: dict) -> list[str]:
 
 def render_throughput_lm(d: dict) -> list[str]:
     sps, per_rep, goals = d["samples_per_s"], d.get("ratio_per_rep", {}), d.get("goals", {})
-    pairs = {"geompi_fsa_vs_torch_ddp": ("geompi_fsa", "torch_ddp"),
-             "geompi_hfa_vs_torch_avg": ("geompi_hfa", "torch_avg")}  # fmt: skip
     rows = []
     for name, ratio in d["ratio_median"].items():
-        ours, theirs = pairs.get(name, (None, None))
+        ours, _, theirs = name.partition("_vs_")  # "geompi_fsa_vs_torch_ddp"
         reps = per_rep.get(name, [])
         rows.append(
             [

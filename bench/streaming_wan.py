@@ -74,18 +74,18 @@ METHODS = {
 }
 
 
-def run(method: str, link: str, steps: int) -> dict:
+def build(method: str, **wan) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The model and its geompi optimizer for ``method`` (``wan``: the emulated link)."""
     sync, compression = METHODS[method]
     model, opt = model_and_adamw(lm, args.seq)
     opt = geompi.DistributedOptimizer(
-        opt,
-        model,
-        sync=sync,
-        bucket_mb=1,
-        wan_bandwidth=LINKS[link],
-        wan_latency=args.latency,
-        wan_compression=compression,
+        opt, model, sync=sync, bucket_mb=1, wan_compression=compression, **wan
     )
+    return model, opt
+
+
+def run(method: str, link: str, steps: int) -> dict:
+    model, opt = build(method, wan_bandwidth=LINKS[link], wan_latency=args.latency)
     sampler = geompi.DistributedSampler(dataset, shuffle=True, seed=0)
     loader = iter(torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, sampler=sampler))
     losses, walls = train(model, opt, loader, steps)
@@ -105,12 +105,7 @@ def run(method: str, link: str, steps: int) -> dict:
 
 def startup_bytes(method: str) -> int:
     """The WAN data bytes of a job of ``method`` that takes no step: its INIT round."""
-    sync, compression = METHODS[method]
-    model, opt = model_and_adamw(lm, args.seq)
-    opt = geompi.DistributedOptimizer(
-        opt, model, sync=sync, bucket_mb=1, wan_compression=compression
-    )
-    report = opt.close()
+    report = build(method)[1].close()
     return report["wan_data_up_bytes"] if report is not None else 0
 
 
