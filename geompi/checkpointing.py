@@ -107,7 +107,7 @@ def resolve_resume(resume: str | None, directory: str | None) -> pathlib.Path | 
 def expected_state_names(cfg) -> set[str]:
     """The per-parameter state names ``cfg``'s optimizer keeps after one step (empty for
     plain SGD; None-valued entries, such as SGD's buffer without momentum, do not count)."""
-    from geompi.ps.optim import make_spec, torch_optimizer
+    from geompi.ps.optim import ServerTorchStep, make_spec
 
     if cfg.optimizer == "dcasgd":
         return set()  # its per-datacenter backups live under /algorithm
@@ -115,7 +115,7 @@ def expected_state_names(cfg) -> set[str]:
         cfg.optimizer, cfg.effective_lr, cfg.effective_momentum, cfg.weight_decay, cfg.nesterov
     )
     p = torch.nn.Parameter(torch.zeros(1))
-    opt = torch_optimizer(spec, [p])
+    opt = ServerTorchStep(spec, [p])
     p.grad = torch.ones(1)
     opt.step()
     return {k for k, v in opt.state[p].items() if v is not None}

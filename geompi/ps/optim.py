@@ -2,18 +2,22 @@
 
 A spec (``SGD(lr=0.1)``) is plain data: it travels from the master worker to the global servers
 as JSON, never pickled. ``spec.build()`` makes the ``ServerOptimizer`` that a global server runs
-on its slice of each key. SGD and Adam/AdamW delegate to ``torch.optim`` on a flat view, so their
-arithmetic is exactly torch's; DCASGD is written out here.
+on its slice of each key. SGD and Adam/AdamW run torch's own functional optimizers on a flat
+view (``ServerTorchStep``), so their arithmetic is exactly ``torch.optim``'s; DCASGD is written
+out here.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
+from torch.optim.adam import adam
+from torch.optim.sgd import sgd
 
 from geompi.errors import ConfigError
 
@@ -134,7 +138,7 @@ class ServerOptimizer:
         self.groups = self._check_groups(spec, groups)
         self._group_ids: dict[int, list[int]] = {}  # key -> the spec index of each torch group
         self.pieces: dict[int, list[Piece]] = {}
-        self._torch: dict[int, torch.optim.Optimizer] = {}
+        self._torch: dict[int, ServerTorchStep] = {}
         self._params: dict[int, list[torch.nn.Parameter]] = {}
         self._base: dict[int, int] = {}  # key -> data_ptr of the value the params view
         self.state: dict[int, dict[str, torch.Tensor]] = {}  # DCASGD's own state
@@ -187,7 +191,7 @@ class ServerOptimizer:
 
     def _make_torch(
         self, key: int, params: list[torch.nn.Parameter], pieces: list[Piece]
-    ) -> torch.optim.Optimizer:
+    ) -> ServerTorchStep:
         """One torch optimizer for a key, with a param group per worker group it holds."""
         by_group: dict[int, list[torch.nn.Parameter]] = {}
         for p, pc in zip(params, pieces):
@@ -201,7 +205,7 @@ class ServerOptimizer:
         order = sorted(by_group) or [0]
         # a key of parameters outside the optimizer: an empty stand-in, never stepped
         first = by_group.get(order[0]) or [torch.nn.Parameter(torch.zeros(0))]
-        opt = torch_optimizer(self.groups[order[0]], first)
+        opt = ServerTorchStep(self.groups[order[0]], first)
         for g in order[1:]:
             opt.add_param_group({"params": by_group[g], **_hyperparameters(self.groups[g])})
         self._group_ids[key] = order
@@ -421,8 +425,64 @@ def outer_step(
     value.sub_(lr * delta)
 
 
+class ServerTorchStep:
+    """A server's SGD, Adam or AdamW over some parameters: torch's single-tensor functional
+    optimizers (what ``torch.optim``'s own step calls with ``foreach=False``), with the state
+    and param groups as ``torch.optim`` keeps them. Not a ``torch.optim`` object, whose
+    construction imports torch._dynamo: 2 s of CPU on every global server before its first
+    step, on the critical path of a job's first round."""
+
+    def __init__(self, spec: Spec, params) -> None:
+        if isinstance(spec, DCASGD):
+            raise ConfigError("DCASGD is stepped by ServerOptimizer itself: this is a geompi bug")
+        self.adam = not isinstance(spec, SGD)
+        self.decoupled = isinstance(spec, AdamW)
+        self.param_groups: list[dict] = []
+        self.state: defaultdict[torch.Tensor, dict] = defaultdict(dict)
+        self.add_param_group({"params": params, **_hyperparameters(spec)})
+
+    def add_param_group(self, group: dict) -> None:
+        self.param_groups.append({**group, "params": list(group["params"])})
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """One step of every parameter that has a gradient (``grad`` None: left alone)."""
+        for g in self.param_groups:
+            params = [p for p in g["params"] if p.grad is not None]
+            grads = [p.grad for p in params]
+            if self.adam:
+                self._adam(g, params, grads)
+                continue
+            momentum = g["momentum"]
+            bufs = [self.state[p].get("momentum_buffer") for p in params] if momentum else []
+            sgd(
+                params, grads, bufs, foreach=False, weight_decay=g["weight_decay"],
+                momentum=momentum, lr=g["lr"], dampening=g["dampening"],
+                nesterov=g["nesterov"], maximize=False,
+            )  # fmt: skip
+            for p, buf in zip(params, bufs):  # the buffers torch made on the first step
+                self.state[p]["momentum_buffer"] = buf
+
+    def _adam(self, g: dict, params: list, grads: list) -> None:
+        scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+        for p in params:  # torch's lazy state: a CPU step count and two zero moments
+            st = self.state[p]
+            if not st:
+                st["step"] = torch.tensor(0.0, dtype=scalar)
+                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        states = [self.state[p] for p in params]
+        beta1, beta2 = g["betas"]
+        adam(
+            params, grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+            [], [s["step"] for s in states], foreach=False,
+            decoupled_weight_decay=self.decoupled, amsgrad=False, beta1=beta1, beta2=beta2,
+            lr=g["lr"], weight_decay=g["weight_decay"], eps=g["eps"], maximize=False,
+        )  # fmt: skip
+
+
 def torch_optimizer(spec: Spec, params) -> torch.optim.Optimizer:
-    """The ``torch.optim`` optimizer of an SGD/Adam/AdamW spec: the servers' and HFA workers'."""
+    """The ``torch.optim`` optimizer of an SGD/Adam/AdamW spec: the CLI's HFA workers'."""
     if isinstance(spec, SGD):
         return torch.optim.SGD(
             params,
