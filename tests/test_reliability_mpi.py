@@ -186,25 +186,25 @@ def test_train_twice_in_one_process_restores_signal_handlers():
 def test_hfa_stops_within_k1_steps_of_sigterm_and_resumes_exactly(tmp_path):
     """Issue #13 point 8: HFA agreed on a stop only at global syncs (K1*K2 = 100 steps here),
     and acted a poll later, far past a scheduler's grace period. Now a SIGTERM on one worker
-    after step 130 stops every rank at the next datacenter round (step 140); the checkpoint
-    is of the last global sync (step 100), and a resume from it ends bitwise where an
-    uninterrupted run ends."""
+    after step 26 (K1*K2 = 20 here) stops every rank at the next datacenter round (step 28);
+    the checkpoint is of the last global sync (step 20), and a resume from it ends bitwise
+    where an uninterrupted run ends."""
     from tests.test_resume_mpi import identical
 
-    hfa = ["--sync", "hfa", "--k1", 20, "--k2", 5, "--dcs", 2, "--momentum", 0.9, "--steps", 200]
+    hfa = ["--sync", "hfa", "--k1", 4, "--k2", 5, "--dcs", 2, "--momentum", 0.9, "--steps", 40]
     part, full = tmp_path / "part", tmp_path / "full"
     res = train(
-        7, *hfa, "--checkpoint-dir", part, env={"GEOMPI_FAULT_SIGNAL_AT": "130:1"}, check=False
+        7, *hfa, "--checkpoint-dir", part, env={"GEOMPI_FAULT_SIGNAL_AT": "26:1"}, check=False
     )
     assert res.returncode == 0, res.stderr[-3000:]
     assert not error_lines(res.stderr)
     line = next(ln for ln in res.stderr.splitlines() if ln.startswith("geompi: preempted"))
-    assert "at step 100 (stopped at step 140, between global syncs" in line, line
+    assert "at step 20 (stopped at step 28, between global syncs" in line, line
     assert "checkpoint written" in line, line
-    assert [p.name for p in ckpt.list_checkpoints(part)] == [ckpt.checkpoint_name(100)]
+    assert [p.name for p in ckpt.list_checkpoints(part)] == [ckpt.checkpoint_name(20)]
     res = train(7, *hfa, "--checkpoint-dir", part, "--resume", "latest")
-    assert "at step 100" in res.stderr and "steps=200" in res.stderr, res.stderr[-3000:]
+    assert "at step 20" in res.stderr and "steps=40" in res.stderr, res.stderr[-3000:]
     train(7, *hfa, "--checkpoint-dir", full)
-    name = ckpt.checkpoint_name(200)
+    name = ckpt.checkpoint_name(40)
     assert identical(part / name, full / name)
-    assert not identical(part / name, part / ckpt.checkpoint_name(100))
+    assert not identical(part / name, part / ckpt.checkpoint_name(20))
