@@ -184,7 +184,7 @@ def test_train_twice_in_one_process_restores_signal_handlers():
 
 
 def test_hfa_stops_within_k1_steps_of_sigterm_and_resumes_exactly(tmp_path):
-    """Issue #13 point 8: HFA agreed on a stop only at global syncs (K1*K2 = 100 steps here),
+    """Issue #13 point 8: HFA agreed on a stop only at global syncs (K1*K2 steps apart),
     and acted a poll later, far past a scheduler's grace period. Now a SIGTERM on one worker
     after step 26 (K1*K2 = 20 here) stops every rank at the next datacenter round (step 28);
     the checkpoint is of the last global sync (step 20), and a resume from it ends bitwise
