@@ -212,6 +212,16 @@ def render_sync_overhead(d: dict) -> list[str]:
             )
             + "."
         )
+    beside = {size: r["allreduce_beside_gloo_vs_alone"] for size, r in ratio.items()
+              if "allreduce_beside_gloo_vs_alone" in r}  # fmt: skip
+    if beside:
+        out.append("")
+        out.append(
+            "gloo's all_reduce is timed after the other rounds, in the same job (once it has "
+            "run, the job's other rounds are slower); MPI.Allreduce beside it / alone: "
+            + ", ".join(f"{size} {num(v)}" for size, v in beside.items())
+            + "."
+        )
     return out
 
 

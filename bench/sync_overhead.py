@@ -9,10 +9,13 @@ geompi's own code; raw_two_tier / Allreduce is the cost of the two-tier design o
 
     mpirun -n 16 python bench/sync_overhead.py [--sizes 1,25,100] [--reps 11] [--runs 5]
 
-Each run times --reps rounds of every size, interleaved, and keeps their median; the ratios
-reported are the median over --runs runs, with their range. On an oversubscribed node the CPU
-time of every rank decides a round, so the CPU seconds per round summed over the ranks are
-reported beside the wall times.
+Each run times --reps rounds of every size, interleaved (the order turns each repetition),
+and keeps their median; the ratios reported are the median over --runs runs, with their range.
+gloo's all_reduce is timed after the others, in the same job, on the workers, interleaved with
+MPI.Allreduce again (``allreduce_beside_gloo_vs_alone`` compares the two Allreduce figures):
+once gloo's all_reduce has run, the other rounds of the job are slower (see below). On an
+oversubscribed node the CPU time of every rank decides a round, so the CPU seconds per round
+summed over the ranks are reported beside the wall times.
 
 Writes bench/results/sync_overhead.json.
 """
@@ -82,10 +85,6 @@ keys = [k for g in groups for k in g]
 if role is Role.WORKER:
     widx = topo.worker_index(rank)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    port = comms.all_workers.bcast(29700 + os.getpid() % 200 if widx == 0 else None, root=0)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=widx, world_size=topo.num_workers
-    )
     client = PSClient(Link(comms.dc, LAN, stats))
     grads = [torch.ones(n) for _, n in keys]  # pushed, as gradients are
     params = grads if args.pull_into == "same" else [torch.ones(n) for _, n in keys]
@@ -177,7 +176,14 @@ def geompi_round(group: list[tuple[int, int]], flags: int = 0) -> None:
 
 
 raw_bufs: list[dict] = [{} for _ in groups]
-KINDS = ("geompi", "geompi_scatter", "raw_two_tier", "mpi_allreduce", "gloo_allreduce")
+KINDS = (
+    "geompi",
+    "geompi_scatter",
+    "raw_two_tier",
+    "mpi_allreduce",
+    "gloo_allreduce",
+    "mpi_allreduce_beside_gloo",
+)
 profiles = {mb: cProfile.Profile() for mb in sizes}
 
 
@@ -195,37 +201,76 @@ def allreduce(b: torch.Tensor) -> None:
     comms.all_workers.Allreduce(MPI.IN_PLACE, b.numpy(), MPI.SUM)
 
 
-runs = []  # per run: {"wall": {kind: {size: s}}, "cpu": {kind: {size: s, summed over ranks}}}
-for run in range(args.runs):
-    wall: dict = {k: {} for k in KINDS}
-    cpu_sum: dict = {k: {} for k in KINDS}
-    for group, mb in zip(groups, sizes):
-        times: dict = {k: [] for k in KINDS}
-        cpu: dict = {k: [] for k in KINDS}
+def measure(kinds: list[tuple[str, object, bool]], comm, rep_shift: int) -> dict:
+    """Every kind's rounds of every size, --reps of each, interleaved; per kind and size the
+    median wall time (rank 0) and the median CPU per round summed over ``comm``'s ranks.
+    ``kinds``: (name, round(group, size index), workers only)."""
+    wall: dict = {k: {} for k, _, _ in kinds}
+    cpu_sum: dict = {k: {} for k, _, _ in kinds}
+    for g, (group, mb) in enumerate(zip(groups, sizes)):
+        times: dict = {k: [] for k in wall}
+        cpu: dict = {k: [] for k in wall}
         for rep in range(args.reps):
-            if args.profile and rep and not run:  # not the first round: torch's lazy imports
-                profiles[mb].enable()
-            timed("geompi", times, cpu, partial(geompi_round, group))
-            profiles[mb].disable()
-            timed("geompi_scatter", times, cpu, partial(geompi_round, group, FLAG_SCATTER))
-            bufs = raw_bufs[groups.index(group)]
-            timed("raw_two_tier", times, cpu, partial(raw_two_tier, [n for _, n in group], bufs))
+            # The order turns by one each repetition: no kind always follows the same one.
+            shift = (rep + rep_shift) % len(kinds)
+            for kind, fn, workers_only in kinds[shift:] + kinds[:shift]:
+                if workers_only and role is not Role.WORKER:
+                    continue
+                profiling = args.profile and kind == "geompi" and rep and rep_shift == 0
+                if profiling:  # not the first round: torch's lazy imports
+                    profiles[mb].enable()
+                timed(
+                    kind,
+                    times,
+                    cpu,
+                    partial(fn, group, g),
+                    comms.all_workers if workers_only else comm,
+                )
+                profiles[mb].disable()
             if role is Role.WORKER:
-                b = flat[: sum(n for _, n in group)]
-                timed("mpi_allreduce", times, cpu, partial(allreduce, b), comms.all_workers)
-                timed("gloo_allreduce", times, cpu, partial(dist.all_reduce, b), comms.all_workers)
-                b.fill_(1.0)
-            world.Barrier()
+                flat.fill_(1.0)
+            comm.Barrier()
         size = f"{mb:g}MB"
-        for k in KINDS:  # this rank's median CPU per round, summed over the ranks
+        for k in wall:  # this rank's median CPU per round, summed over the ranks
             mine = statistics.median(cpu[k]) if cpu[k] else 0.0
-            cpu_sum[k][size] = world.allreduce(mine)
+            cpu_sum[k][size] = comm.allreduce(mine)
             if rank == 0:
                 wall[k][size] = statistics.median(times[k])
-    runs.append({"wall": wall, "cpu": cpu_sum})
+    return {"wall": wall, "cpu": cpu_sum}
+
+
+def worker_flat(group: list[tuple[int, int]]) -> torch.Tensor:
+    return flat[: sum(n for _, n in group)]
+
+
+SERVER_TIER = [
+    ("geompi", lambda group, g: geompi_round(group), False),
+    ("geompi_scatter", lambda group, g: geompi_round(group, FLAG_SCATTER), False),
+    ("raw_two_tier", lambda group, g: raw_two_tier([n for _, n in group], raw_bufs[g]), False),
+    ("mpi_allreduce", lambda group, g: allreduce(worker_flat(group)), True),
+]
+runs = [measure(SERVER_TIER, world, run) for run in range(args.runs)]
 
 if role is Role.WORKER:
     PSClient.stop(client)
+    # gloo's all_reduce runs after the others, in the same job, on the workers alone. Interleaved
+    # with them (as it was until 2026-12-03), it slowed the rounds after it: the CPU of a geompi
+    # round, summed over the 16 ranks, went from 7.7 to 13.9 ms at 0.25 MB and from 18.4 to
+    # 23.6 ms at 1 MB, MPI.Allreduce's from 2.3 to 2.8 and 7.2 to 7.5 ms (a gloo process group
+    # that is set up but never called: 8.7 ms for geompi at 0.25 MB). MPI.Allreduce runs again
+    # beside it, as the common reference.
+    port = comms.all_workers.bcast(29700 + os.getpid() % 200 if widx == 0 else None, root=0)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=widx, world_size=topo.num_workers
+    )
+    TORCH_TIER = [
+        ("gloo_allreduce", lambda group, g: dist.all_reduce(worker_flat(group)), False),
+        ("mpi_allreduce_beside_gloo", lambda group, g: allreduce(worker_flat(group)), False),
+    ]
+    for run in runs:
+        beside = measure(TORCH_TIER, comms.all_workers, -1)
+        for part in ("wall", "cpu"):
+            run[part].update(beside[part])
     dist.destroy_process_group()
 else:
     server.run()
@@ -247,6 +292,7 @@ if rank == 0:
         "vs_raw_two_tier": ("geompi", "raw_two_tier"),
         "raw_two_tier_vs_mpi_allreduce": ("raw_two_tier", "mpi_allreduce"),
         "vs_gloo_allreduce": ("geompi", "gloo_allreduce"),
+        "allreduce_beside_gloo_vs_alone": ("mpi_allreduce_beside_gloo", "mpi_allreduce"),
     }
     labels = [f"{mb:g}MB" for mb in sizes]
     per_run = {  # size -> ratio -> one figure per run
