@@ -32,6 +32,15 @@ def _pid_of_rank(rank: int, tag: str) -> int | None:
     return None
 
 
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (an exited one that is not yet reaped does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def _launch(args: list[str], tag: str, merge_stderr: bool) -> subprocess.Popen:
     """A long 9-rank training job in the background, its ranks tagged for _pid_of_rank."""
     cmd = [
@@ -125,9 +134,13 @@ def test_comm_timeout_watchdog_catches_a_stuck_rank(tmp_path):
         while not metrics.exists() or metrics.read_text().count('"loss"') < 20:
             assert time.monotonic() < deadline and p.poll() is None, "training did not start"
             time.sleep(0.2)
-        pid = _pid_of_rank(3, tag)
+        pid, master = _pid_of_rank(3, tag), _pid_of_rank(0, tag)
         os.kill(pid, signal.SIGSTOP)
-        time.sleep(20)  # the local server's watchdog fires after 5 s
+        # The local server's watchdog fires after 5 s and the abort ends the running ranks,
+        # the master among them; without it the master trains on and this waits out 30 s.
+        until = time.monotonic() + 30
+        while time.monotonic() < until and _alive(master):
+            time.sleep(0.2)
         with contextlib.suppress(ProcessLookupError):  # the abort may have ended it already
             os.kill(pid, signal.SIGCONT)
         _, err = p.communicate(timeout=60)
