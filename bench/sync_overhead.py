@@ -254,11 +254,11 @@ runs = [measure(SERVER_TIER, world, run) for run in range(args.runs)]
 if role is Role.WORKER:
     PSClient.stop(client)
     # gloo's all_reduce runs after the others, in the same job, on the workers alone. Interleaved
-    # with them (as it was until 2026-12-03), it slowed the rounds after it: the CPU of a geompi
-    # round, summed over the 16 ranks, went from 7.7 to 13.9 ms at 0.25 MB and from 18.4 to
-    # 23.6 ms at 1 MB, MPI.Allreduce's from 2.3 to 2.8 and 7.2 to 7.5 ms (a gloo process group
-    # that is set up but never called: 8.7 ms for geompi at 0.25 MB). MPI.Allreduce runs again
-    # beside it, as the common reference.
+    # with them (as it was until 2026-12-03), it slowed the other rounds, in whatever order they
+    # ran: the CPU of a geompi round, summed over the 16 ranks, went from 7.7 to 13.9 ms at
+    # 0.25 MB and from 18.4 to 23.6 ms at 1 MB, MPI.Allreduce's from 2.3 to 2.8 and 7.2 to 7.5 ms
+    # (a gloo process group that is set up but never called: 8.7 ms for geompi at 0.25 MB).
+    # MPI.Allreduce runs again beside it, as the common reference.
     port = comms.all_workers.bcast(29700 + os.getpid() % 200 if widx == 0 else None, root=0)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=widx, world_size=topo.num_workers
