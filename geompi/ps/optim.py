@@ -483,24 +483,10 @@ class ServerTorchStep:
 
 def torch_optimizer(spec: Spec, params) -> torch.optim.Optimizer:
     """The ``torch.optim`` optimizer of an SGD/Adam/AdamW spec: the CLI's HFA workers'."""
-    if isinstance(spec, SGD):
-        return torch.optim.SGD(
-            params,
-            lr=spec.lr,
-            momentum=spec.momentum,
-            weight_decay=spec.weight_decay,
-            nesterov=spec.nesterov,
-            dampening=spec.dampening,
-            foreach=False,
-        )
     if isinstance(spec, DCASGD):
         raise ConfigError("DCASGD runs at the global servers only: use it with --sync mixed or fsa")
-    cls = torch.optim.AdamW if isinstance(spec, AdamW) else torch.optim.Adam
-    return cls(
-        params,
-        lr=spec.lr,
-        betas=spec.betas,
-        eps=spec.eps,
-        weight_decay=spec.weight_decay,
-        foreach=False,
-    )
+    if isinstance(spec, SGD):
+        cls = torch.optim.SGD
+    else:
+        cls = torch.optim.AdamW if isinstance(spec, AdamW) else torch.optim.Adam
+    return cls(params, **_hyperparameters(spec), foreach=False)
