@@ -536,6 +536,13 @@ def render_streaming_wan(d: dict) -> list[str]:
     ]
     out += ["", f"{d.get('model')}, target loss {num(d.get('target_loss'))}.", ""]
     out += table(["goal", "value", "bound", "met"], goals)
+    if d.get("floor"):  # raw MPI in the same job: what this machine allows
+        f = d["floor"]
+        out += [
+            "",
+            f"Raw MPI floor ({f['what']}): utilisation {num(f['utilisation'], 3)}, "
+            f"{num(f['s_per_step'], 3)} s per step.",
+        ]
     if d.get("note"):
         out += ["", d["note"]]
     return out

@@ -22,6 +22,9 @@ and 1 Gbit/s, both 50 ms one way.
   global average of ``close()`` is in that rest, pro rata). Peak bytes per datacenter round: the
   most one local server sent up in one round. Utilisation: 1 - (a worker's wait in MPI) /
   (its wall time), averaged over workers.
+- The floor, in the same job: the same local steps with each datacenter's average one raw
+  ``MPI.Allreduce`` of the parameters among its workers (no servers, no global tier), its
+  utilisation measured alike: what this machine allows any method.
 
 Writes bench/results/streaming_wan.json (and a plot, with matplotlib, afterwards).
 """
@@ -33,11 +36,14 @@ import json
 import pathlib
 import statistics
 import sys
+import time
 
 import torch
 from lm_common import ROOT, load_example, model_and_adamw, train
+from mpi4py import MPI
 
 import geompi
+from geompi.session import current as current_session
 
 lm = load_example()
 
@@ -109,6 +115,49 @@ def startup_bytes(method: str) -> int:
     return report["wan_data_up_bytes"] if report is not None else 0
 
 
+class RawAverage:
+    """The floor to measure utilisation against: AdamW as it is, and after every K1-th step
+    each datacenter's average as one in-place ``MPI.Allreduce`` of the parameters among its
+    workers (no local server, no global tier: the datacenters drift apart, so only the time
+    counts). The parameters are views of one flat buffer, as in geompi's buckets."""
+
+    def __init__(self, opt: torch.optim.Optimizer, model: torch.nn.Module, comm, k1: int):
+        self.opt, self.comm, self.k1 = opt, comm, k1
+        self.steps, self.wait_s = 0, 0.0
+        params = list(model.parameters())
+        self.flat = torch.cat([p.detach().reshape(-1) for p in params])
+        off = 0
+        for p in params:
+            p.data = self.flat[off : off + p.numel()].view_as(p)
+            off += p.numel()
+
+    def zero_grad(self) -> None:
+        self.opt.zero_grad()
+
+    def step(self) -> None:
+        self.opt.step()
+        self.steps += 1
+        if self.steps % self.k1 == 0:
+            t0 = time.perf_counter()
+            self.comm.Allreduce(MPI.IN_PLACE, self.flat.numpy(), MPI.SUM)
+            self.flat.div_(self.comm.Get_size())
+            self.wait_s += time.perf_counter() - t0
+
+
+def raw_floor(steps: int) -> dict:
+    """Utilisation and time per step of the same local steps averaged by raw MPI."""
+    workers = current_session().comms.all_workers
+    dc_workers = workers.Split(geompi.dc(), widx)
+    model, opt = model_and_adamw(lm, args.seq)
+    raw = RawAverage(opt, model, dc_workers, args.k1)
+    sampler = geompi.DistributedSampler(dataset, shuffle=True, seed=0)
+    loader = iter(torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, sampler=sampler))
+    _, walls = train(model, raw, loader, steps)
+    dc_workers.Free()
+    util = workers.gather(1 - raw.wait_s / walls[-1], root=0)
+    return {"steps": steps, "wall_s": walls, "utilisation": util and statistics.mean(util)}
+
+
 startup = {method: startup_bytes(method) for method in METHODS}
 results: dict[str, dict[str, dict]] = {link: {} for link in LINKS}
 for link in ("1Gbit", "100Mbit"):
@@ -127,6 +176,9 @@ for link in ("1Gbit", "100Mbit"):
                 f"loss {r['loss'][-1]:.4f}",
                 flush=True,
             )
+floor = raw_floor(args.hfa_steps)
+if widx == 0:
+    print(f"raw MPI floor {args.hfa_steps:>4} steps util {floor['utilisation']:.3f}", flush=True)
 geompi.finish()
 if widx != 0:
     sys.exit(0)
@@ -184,6 +236,14 @@ out = {
         "int4_final_loss_vs_fsa": "<= 1.01",
         "streaming_peak_round_vs_hfa": f"<= 1/{args.fragments} (+ headers)",
         "adaptive_sync": "measured by bench/adaptive_wan.py",
+    },
+    "floor": {
+        "what": "the same local steps, each datacenter's average one MPI.Allreduce of the "
+        "parameters among its workers, no servers",
+        "utilisation": floor["utilisation"],
+        "s_per_step": statistics.median(
+            b - a for a, b in zip([0.0] + floor["wall_s"][:-1], floor["wall_s"])
+        ),
     },
     "runs": results,
 }
