@@ -23,8 +23,9 @@ and 1 Gbit/s, both 50 ms one way.
   most one local server sent up in one round. Utilisation: 1 - (a worker's wait in MPI) /
   (its wall time), averaged over workers.
 - The floor, in the same job: the same local steps with each datacenter's average one raw
-  ``MPI.Allreduce`` of the parameters among its workers (no servers, no global tier), its
-  utilisation measured alike: what this machine allows any method.
+  ``MPI.Allreduce`` of the parameters among its workers (no servers, no global tier): what this
+  machine allows any method. Its wait is the whole Allreduce and the division after it, where
+  geompi's is only its time in MPI waits, so the comparison does not favour the floor.
 
 Writes bench/results/streaming_wan.json (and a plot, with matplotlib, afterwards).
 """
