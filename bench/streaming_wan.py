@@ -189,6 +189,11 @@ def smooth(xs: list[float], n: int = 8) -> list[float]:
     return [statistics.mean(xs[max(0, i - n + 1) : i + 1]) for i in range(len(xs))]
 
 
+def median_step_s(walls: list[float]) -> float:
+    """The median time of one step, from the wall times after each step."""
+    return statistics.median(b - a for a, b in zip([0.0] + walls[:-1], walls))
+
+
 fast = results["1Gbit"]
 target = smooth(fast["fsa"]["loss"])[-1]
 summary: dict[str, dict] = {}
@@ -196,7 +201,7 @@ for link, runs in results.items():
     for method, r in runs.items():
         curve = smooth(fast[method]["loss"])
         reach = next((i + 1 for i, v in enumerate(curve) if v <= target), None)
-        per_step = statistics.median(b - a for a, b in zip([0.0] + r["wall_s"][:-1], r["wall_s"]))
+        per_step = median_step_s(r["wall_s"])
         once = startup[method]  # counted in full: it is all sent before the first step
         full_bytes = (fast[method]["wan_data_bytes"] - once) * (r["steps"] / fast[method]["steps"])
         summary.setdefault(link, {})[method] = {
@@ -242,9 +247,7 @@ out = {
         "what": "the same local steps, each datacenter's average one MPI.Allreduce of the "
         "parameters among its workers, no servers",
         "utilisation": floor["utilisation"],
-        "s_per_step": statistics.median(
-            b - a for a, b in zip([0.0] + floor["wall_s"][:-1], floor["wall_s"])
-        ),
+        "s_per_step": median_step_s(floor["wall_s"]),
     },
     "runs": results,
 }
@@ -266,7 +269,7 @@ for method, r in results["100Mbit"].items():
     f = fast[method]
     walls = r["wall_s"] if r["steps"] == f["steps"] else None
     if walls is None:  # FSA on the slow link: its steps at the measured step time
-        per = statistics.median(b - a for a, b in zip([0.0] + r["wall_s"][:-1], r["wall_s"]))
+        per = median_step_s(r["wall_s"])
         walls = [per * (i + 1) for i in range(f["steps"])]
     ax1.plot(walls, smooth(f["loss"]), label=method)
     once = startup[method]
