@@ -44,6 +44,7 @@ from lm_common import ROOT, load_example, model_and_adamw, train
 from mpi4py import MPI
 
 import geompi
+from geompi.comm.buckets import Buckets
 from geompi.session import current as current_session
 
 lm = load_example()
@@ -120,17 +121,13 @@ class RawAverage:
     """The floor to measure utilisation against: AdamW as it is, and after every K1-th step
     each datacenter's average as one in-place ``MPI.Allreduce`` of the parameters among its
     workers (no local server, no global tier: the datacenters drift apart, so only the time
-    counts). The parameters are views of one flat buffer, as in geompi's buckets."""
+    counts). The parameters are views of one flat buffer: geompi's bucketing with no cap."""
 
     def __init__(self, opt: torch.optim.Optimizer, model: torch.nn.Module, comm, k1: int):
         self.opt, self.comm, self.k1 = opt, comm, k1
         self.steps, self.wait_s = 0, 0.0
-        params = list(model.parameters())
-        self.flat = torch.cat([p.detach().reshape(-1) for p in params])
-        off = 0
-        for p in params:
-            p.data = self.flat[off : off + p.numel()].view_as(p)
-            off += p.numel()
+        (bucket,) = Buckets(list(model.named_parameters()), cap_bytes=1 << 62)
+        self.flat = bucket.params
 
     def zero_grad(self) -> None:
         self.opt.zero_grad()
