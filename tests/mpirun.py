@@ -143,3 +143,18 @@ def error_lines(stderr: str) -> list[str]:
     """geompi's error lines. Open MPI may interleave its abort banner with a rank's output and
     leave a blank before the line: that is still one line."""
     return [ln.strip() for ln in stderr.splitlines() if ln.lstrip().startswith("geompi: error:")]
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie, exited but not yet reaped, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

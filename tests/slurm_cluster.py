@@ -33,6 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from tests.mpirun import pid_alive
+
 APT_PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge", "libpmix2")
 TERMINAL_STATES = frozenset(
     {
@@ -102,21 +104,6 @@ def _tail(path: Path, n: int = 30) -> str:
     return "\n".join(lines[-n:])
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie still answers kill(0); treat it as gone.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def _cmdline(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -127,13 +114,13 @@ def _cmdline(pid: int) -> str:
 
 def _terminate(pid: int, must_contain: str, timeout: float = 10.0) -> None:
     """SIGTERM then SIGKILL ``pid``, but only if its command line contains ``must_contain``."""
-    if not _pid_alive(pid) or must_contain not in _cmdline(pid):
+    if not pid_alive(pid) or must_contain not in _cmdline(pid):
         return
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if not _pid_alive(pid):
+        if not pid_alive(pid):
             return
         time.sleep(0.1)
     with contextlib.suppress(ProcessLookupError):
@@ -369,7 +356,7 @@ class SlurmCluster:
                     env = f.read().split(b"\0")
             except OSError:
                 continue
-            if want in env and (job is None or job in env) and _pid_alive(int(entry)):
+            if want in env and (job is None or job in env) and pid_alive(int(entry)):
                 pids.append(int(entry))
         return pids
 
@@ -495,7 +482,7 @@ def _reap_stale_clusters(keep: Path) -> None:
         except OSError:
             continue
         owner = _read_pid(d / "owner.pid")
-        if owner and _pid_alive(owner):
+        if owner and pid_alive(owner):
             continue  # another test session (or xdist worker) still uses it
         for daemon in ("slurmd", "slurmctld"):
             pid = _read_pid(d / f"{daemon}.pid")

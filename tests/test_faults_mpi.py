@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from geompi import ckpt
-from tests.mpirun import MPI_ENV, REPO, mpirun, mpirun_path
+from tests.mpirun import MPI_ENV, REPO, mpirun, mpirun_path, pid_alive
 
 pytestmark = pytest.mark.mpi
 EVERY = 20
@@ -30,15 +30,6 @@ def _pid_of_rank(rank: int, tag: str) -> int | None:
         ):
             return int(env_file.parent.name)
     return None
-
-
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` still runs (an exited one that is not yet reaped does not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _launch(args: list[str], tag: str, merge_stderr: bool) -> subprocess.Popen:
@@ -139,7 +130,7 @@ def test_comm_timeout_watchdog_catches_a_stuck_rank(tmp_path):
         # The local server's watchdog fires after 5 s and the abort ends the running ranks,
         # the master among them; without it the master trains on and this waits out 30 s.
         until = time.monotonic() + 30
-        while time.monotonic() < until and _alive(master):
+        while time.monotonic() < until and pid_alive(master):
             time.sleep(0.2)
         with contextlib.suppress(ProcessLookupError):  # the abort may have ended it already
             os.kill(pid, signal.SIGCONT)
