@@ -265,7 +265,7 @@ class Checkpointing:
 
     def __init__(self, worker) -> None:
         self.w = worker
-        self.names = worker.buckets.named_slices()  # name -> (key, offset, numel, shape)
+        self.names = worker.buckets.named_slices()  # name -> (shape, its pieces in the keys)
         self.loaded: ckpt.Checkpoint | None = None
         self.restore_note = ""
         self.worker_note = ""  # master: what a resume onto another worker count does
@@ -508,7 +508,7 @@ class Checkpointing:
                     continue
                 present = [p for p in parts if p is not None]
                 if isinstance(present[0], dict):  # {param name: this shard's piece}
-                    per_param.update(self._join_pieces(k, present))
+                    self._join_pieces(k, present, per_param)
                     continue
                 if any(p is None for p in parts) or (
                     parts[0].dim() == 0 and any(not torch.equal(p, parts[0]) for p in parts)
@@ -519,7 +519,7 @@ class Checkpointing:
                         "checkpoint and report it"
                     )
                 per_key[k] = parts[0] if parts[0].dim() == 0 else torch.cat(parts)
-            named = {**self._by_name(per_key), **per_param}
+            named = {**self._by_name(per_key), **self._joined(per_param)}
             m = _BACKUP.match(state_name)
             if m:
                 backups = algorithm.setdefault("dcasgd", {}).setdefault("backup", {})
@@ -535,26 +535,40 @@ class Checkpointing:
             algorithm["hfa"] = {"outer_momentum": self._by_name(outer)}
         return model, optimizer, algorithm
 
-    def _join_pieces(self, key: int, parts: list[dict]) -> dict[str, torch.Tensor]:
-        """Each parameter of ``key`` that has this state, joined from the shards in order (a
-        parameter torch never stepped has none, and stays absent)."""
+    def _join_pieces(self, key: int, parts: list[dict], into: dict[str, list]) -> None:
+        """Collect, per parameter of ``key`` that has this state, its pieces from the shards
+        in order into ``into`` (a parameter torch never stepped has none, and stays absent;
+        one cut across keys gets its pieces from each, in key order)."""
+        for name, (_, pieces) in self.names.items():
+            if any(k == key for k, *_ in pieces):
+                into.setdefault(name, []).extend(p[name] for p in parts if name in p)
+
+    def _joined(self, into: dict[str, list]) -> dict[str, torch.Tensor]:
+        """The pieces collected by ``_join_pieces``, joined into whole parameters."""
         out = {}
-        for name, (k, _, _, shape) in self.names.items():
-            pieces = [p[name] for p in parts if name in p]
-            if k != key or not pieces:
+        for name, pieces in into.items():
+            if not pieces:
                 continue
             if pieces[0].dim() == 0:
                 out[name] = pieces[0].clone()
             else:
+                shape = self.names[name][0]
                 out[name] = torch.cat([t.reshape(-1) for t in pieces]).reshape(shape).clone()
         return out
 
     def _by_name(self, per_key: dict[int, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Whole parameters from flat per-key tensors (a 0-d tensor: one value for a key's
+        every parameter); a parameter is left out unless each of its keys is there."""
         out = {}
-        for name, (key, off, n, shape) in self.names.items():
-            if key in per_key:
-                t = per_key[key]
-                out[name] = t.clone() if t.dim() == 0 else t[off : off + n].reshape(shape).clone()
+        for name, (shape, pieces) in self.names.items():
+            if not all(k in per_key for k, *_ in pieces):
+                continue
+            first = per_key[pieces[0][0]]
+            if first.dim() == 0:
+                out[name] = first.clone()
+            else:
+                parts = [per_key[k][off : off + n] for k, off, _, n in pieces]
+                out[name] = torch.cat(parts).reshape(shape).clone()
         return out
 
     # ---- restoring ------------------------------------------------------------------------
@@ -720,26 +734,27 @@ class Checkpointing:
         """A state's part in the slice [lo, hi) of a bucket: one flat tensor when every member
         has it (a vector state), else ``{name: piece}`` for the members that have it (scalars
         such as Adam's ``step`` differ between parameters that skipped different steps)."""
-        parts = [named.get(name) for name, _, _ in bucket.members]
+        parts = [named.get(m.name) for m in bucket.members]
         if all(p is not None and p.dim() > 0 for p in parts):
             return cls._flat(bucket, named)[lo:hi].clone()
         out = {}
-        for (name, p, off), t in zip(bucket.members, parts):
-            a, b = max(lo, off), min(hi, off + p.numel())
+        for m, t in zip(bucket.members, parts):
+            a, b = max(lo, m.offset), min(hi, m.offset + m.numel)
             if t is not None and b > a:
-                out[name] = t.clone() if t.dim() == 0 else t.reshape(-1)[a - off : b - off].clone()
+                piece = m.values(t)[a - m.offset : b - m.offset] if t.dim() else t
+                out[m.name] = piece.clone()
         return out or None
 
     @staticmethod
     def _flat(bucket, named: dict[str, torch.Tensor]) -> torch.Tensor | None:
-        parts = [named.get(name) for name, _, _ in bucket.members]
+        parts = [named.get(m.name) for m in bucket.members]
         if any(p is None for p in parts):
             return None
         if parts[0].dim() == 0:
             return parts[0].clone()
         flat = torch.empty(bucket.numel)
-        for (_, _, off), t in zip(bucket.members, parts):
-            flat[off : off + t.numel()] = t.reshape(-1)
+        for m, t in zip(bucket.members, parts):
+            flat[m.offset : m.offset + m.numel] = m.values(t)
         return flat
 
     def send_server_states(self, reqs) -> None:

@@ -256,10 +256,10 @@ def layout_spec(buckets: Buckets, group_of: dict[int, int] | None = None) -> lis
     group_of = group_of or {}
     grouped = bool(set(group_of.values()) - {0})  # once, not per parameter
 
-    def entry(name, p, off):
-        return [name, off, p.numel(), group_of.get(id(p), 0)] if grouped else [name, off, p.numel()]
+    def entry(m):
+        return [m.name, m.offset, m.numel] + ([group_of.get(id(m.param), 0)] if grouped else [])
 
-    return [[b.key, [entry(name, p, off) for name, p, off in b.members]] for b in buckets]
+    return [[b.key, [entry(m) for m in b.members]] for b in buckets]
 
 
 def uniform_weight(client: PSClient) -> float:
@@ -315,7 +315,9 @@ class Synchronizer:
         self.master = session.rank == 0
         named = list(model.named_parameters())
         self.params = [p for _, p in named]
-        self.buckets = Buckets(named, int(bucket_mb * 2**20))
+        # streaming HFA: keys cut into equal fragments (its rounds exchange parameters only)
+        fragments = getattr(algo, "fragments", 1) if algo.local_steps else 1
+        self.buckets = Buckets(named, int(bucket_mb * 2**20), fragments)
         self.float_buffers = synchronized_buffers(model)
         self.client = PSClient(
             Link(session.comms.dc, LAN, self.stats), worker_timeout(session.cfg.comm_timeout)
@@ -346,10 +348,10 @@ class Synchronizer:
         # round, one row per global server (the presence key); FSA's aux carries row 0.
         self.present_g = torch.zeros(g, len(self.params))
         self.layout_pos = {
-            id(p): i for i, p in enumerate(p for b in self.buckets for _, p, _ in b.members)
+            id(m.param): i for i, m in enumerate(m for b in self.buckets for m in b.members)
         }
         self.present_out = torch.zeros(g * len(self.params))
-        self.trainable = [sum(p.requires_grad for _, p, _ in b.members) for b in self.buckets]
+        self.trainable = [sum(m.param.requires_grad for m in b.members) for b in self.buckets]
         # Who tells the servers of a hyperparameter change: the master worker, and under
         # MixedSync each datacenter's first worker, since each deposit is stepped with its own
         # datacenter's hyperparameters (the datacenters are at different steps of a schedule).

@@ -50,8 +50,8 @@ def test_restored_backups_are_the_checkpointed_model(tmp_path):
         for b in buckets:
             lo, hi = topo.shard_bounds(b.numel, g)
             # the model and meansquare of this slice, assembled here by hand
-            want = torch.cat([model[n].reshape(-1) for n, _, _ in b.members])[lo:hi]
-            want_ms = torch.cat([ms[n].reshape(-1) for n, _, _ in b.members])[lo:hi]
+            want = torch.cat([model[n].reshape(-1) for n, *_ in b.members])[lo:hi]
+            want_ms = torch.cat([ms[n].reshape(-1) for n, *_ in b.members])[lo:hi]
             per = st["state"][b.key]
             assert sorted(per) == ["backup_dc0", "backup_dc1", "backup_dc2", "meansquare"]
             for d in range(3):

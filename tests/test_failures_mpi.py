@@ -383,7 +383,7 @@ def mixed_replay(logs: list[dict], lam: float = 2.0, drop_worker: bool = True):
             x, y = batches[w][k - 1]
             model.zero_grad()
             torch.nn.functional.cross_entropy(model(x), y).backward()
-            total += flat([p.grad for b in buckets.buckets for _, p, _ in b.members]) * len(y)
+            total += flat([m.param.grad for b in buckets.buckets for m in b.members]) * len(y)
             n += len(y)
         return total / n
 

@@ -7,17 +7,25 @@ fragment count), so nothing about it travels.
 
 from __future__ import annotations
 
+import bisect
+import itertools
+
 
 def fragment_plan(keys: list[tuple[int, int]], fragments: int) -> dict[int, int]:
     """Key -> fragment: whole keys, in key order, split into ``fragments`` runs whose largest is
     as small as it can be (the peak WAN bytes of a round follow the largest fragment).
 
-    The smallest feasible largest run is found by bisection over a greedy fill; every fragment
-    gets at least one key where there are enough keys.
+    Keys cut at the model's equal fractions (``Buckets(fragments=F)``, the workers' keys of
+    streaming HFA) make those runs. Otherwise the smallest feasible largest run is found by
+    bisection over a greedy fill; every fragment gets at least one key where there are enough.
     """
     sizes = [n for _, n in keys]
     if fragments <= 1 or not sizes:
         return {key: 0 for key, _ in keys}
+    total, starts = sum(sizes), list(itertools.accumulate([0, *sizes[:-1]]))
+    ends = [total * f // fragments for f in range(fragments + 1)]
+    if total >= fragments and set(ends[1:-1]) <= set(starts):  # equal cuts: f's own keys
+        return {key: bisect.bisect_right(ends, s) - 1 for (key, _), s in zip(keys, starts)}
     lo, hi = max(sizes), sum(sizes)
     while lo < hi:  # the least cap under which a greedy fill needs at most `fragments` runs
         cap = (lo + hi) // 2

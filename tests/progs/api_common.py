@@ -254,27 +254,6 @@ def _weighted(params: list[dict], samples: list[int], name: str, group) -> torch
     return sum(params[w][name] * samples[w] for w in group) / sum(samples[w] for w in group)
 
 
-def _fragment_runs(sizes: list[int], fragments: int) -> list[int]:
-    """The fragment of each key, by the rule written out (not geompi's bisection): the least
-    largest run over every way to cut the keys into min(F, keys) runs (brute force), then runs
-    filled in key order up to that size, each leaving a key for every fragment still to come."""
-    import itertools
-
-    runs = min(fragments, len(sizes))
-    cap = min(
-        max(sum(sizes[a:b]) for a, b in zip((0, *cuts), (*cuts, len(sizes))))
-        for cuts in itertools.combinations(range(1, len(sizes)), runs - 1)
-    )
-    out, f, filled = [], 0, 0
-    for i, n in enumerate(sizes):
-        keys_left, fragments_after = len(sizes) - i, runs - 1 - f
-        if filled and (filled + n > cap or keys_left <= fragments_after):
-            f, filled = f + 1, 0
-        out.append(f)
-        filled += n
-    return out
-
-
 def stream_reference(
     dc_sizes: list[int],
     k1: int,
@@ -286,8 +265,9 @@ def stream_reference(
     forced: tuple[int, ...] = (),
     cycles: list[int] | None = None,
 ) -> list[dict[str, torch.Tensor]]:
-    """An independent simulation of streaming HFA with one key per parameter (keys in reverse
-    parameter order, as backward produces them): fragments as _fragment_runs cuts them, fragment f
+    """An independent simulation of streaming HFA: fragment f is the values [N*f//F,
+    N*(f+1)//F) of the N parameter values laid end to end in reverse parameter order (as
+    backward produces them), so a parameter may lie in two; fragment f is
     global at datacenter round r when (r + f*K2//F) % K2 == 0; with overlap, workers get the
     datacenter average at that round and ``mix * global + (1 - mix) * average`` at the next.
     After the steps in ``forced``, every parameter goes global at once: each datacenter's
@@ -302,7 +282,18 @@ def stream_reference(
     opts = [hfa_optimizer(m) for m in models]
     names = [n for n, _ in models[0].named_parameters()][::-1]
     sizes = [dict(models[0].named_parameters())[n].numel() for n in names]
-    frag = dict(zip(names, _fragment_runs(sizes, fragments)))
+    total = sum(sizes)
+    ends = [total * f // fragments for f in range(fragments + 1)]
+    pieces = []  # (name, lo, hi): a parameter's values in one fragment
+    frag = {}
+    start = 0
+    for name, n in zip(names, sizes):
+        for f in range(fragments):
+            lo, hi = max(start, ends[f]), min(start + n, ends[f + 1])
+            if hi > lo:
+                pieces.append((name, lo - start, hi - start))
+                frag[pieces[-1]] = f
+        start += n
     loss_fn = nn.CrossEntropyLoss()
     samples, rnd, pending = [0] * workers, 0, {}
     cycles = list(cycles or [k2])
@@ -318,10 +309,11 @@ def stream_reference(
         rnd += 1
         k2 = cycles[0]
         with torch.no_grad():
-            params = [dict(m.named_parameters()) for m in models]
+            named = [dict(m.named_parameters()) for m in models]
+            params = [{pc: d[pc[0]].view(-1)[pc[1] : pc[2]] for pc in pieces} for d in named]
             if t + 1 in forced:
                 dc_samples = [sum(samples[w] for w in g) for g in dcs]
-                for name in names:
+                for name in pieces:
                     values = [_weighted(params, samples, name, g) for g in dcs]
                     if name in pending:
                         late = pending.pop(name)
@@ -332,7 +324,7 @@ def stream_reference(
                 samples, rnd = [0] * workers, 0
                 cycles = cycles[1:] or cycles  # a cycle ends here too
                 continue
-            for name in names:
+            for name in pieces:
                 glob = (rnd + frag[name] * k2 // fragments) % k2 == 0
 
                 dc_avg = [_weighted(params, samples, name, g) for g in dcs]
