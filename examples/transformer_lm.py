@@ -134,7 +134,9 @@ def main(argv=None) -> None:
             )
         )
     if args.checkpoint:
-        geompi.save(args.checkpoint, model=model, optimizer=opt, step=step)  # geompi
+        # MixedSync's optimizer state is on the global servers: the model only
+        held = None if args.sync == "mixed" else opt
+        geompi.save(args.checkpoint, model=model, optimizer=held, step=step)  # geompi
     params = sum(p.numel() for p in model.parameters())
     digest = float(sum(p.detach().double().sum() for p in model.parameters()))
     print(

@@ -6,6 +6,8 @@ into one line on stderr from one rank and abort every rank together.
 
 from __future__ import annotations
 
+import math
+
 
 class GeompiError(Exception):
     """Base class of every error geompi reports to a user (as opposed to a bug)."""
@@ -42,3 +44,9 @@ class CommTimeoutError(GeompiError):
 
 class NonFiniteError(GeompiError):
     """A NaN or Inf reached a local server while --on-nonfinite is abort."""
+
+
+def positive_number(x: object) -> bool:
+    """Whether ``x`` is a finite int or float above 0 (not a bool, a string or a tensor): what
+    the API's numeric settings take, checked before any arithmetic can raise a traceback."""
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) and x > 0

@@ -17,7 +17,6 @@ The optimizer object stays the user's: its class is swapped in place for a subcl
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -30,7 +29,7 @@ from geompi.comm.buffers import all_finite
 from geompi.comm.topology import node_share
 from geompi.comm.transport import LAN, Link, LinkStats, Requests, worker_timeout
 from geompi.config import LAN_REDUCE
-from geompi.errors import ConfigError, GeompiError, NonFiniteError
+from geompi.errors import ConfigError, GeompiError, NonFiniteError, positive_number
 from geompi.ps.client import PSClient, scatters
 from geompi.ps.protocol import (
     FLAG_GLOBAL,
@@ -135,9 +134,9 @@ def _validate(optimizer, model, sync, s, bucket_mb, max_grad_norm, passes, wan) 
     algo = resolve(sync)
     if not (isinstance(passes, int) and passes >= 1):
         raise ConfigError(f"backward_passes_per_step={passes!r}: must be a whole number >= 1")
-    if max_grad_norm is not None and not (math.isfinite(max_grad_norm) and max_grad_norm > 0):
+    if max_grad_norm is not None and not positive_number(max_grad_norm):
         raise ConfigError(f"max_grad_norm={max_grad_norm!r}: must be a finite number > 0")
-    if not (math.isfinite(bucket_mb) and bucket_mb > 0):
+    if not positive_number(bucket_mb):
         raise ConfigError(f"bucket_mb={bucket_mb!r}: must be a finite number > 0")
     from geompi.session import job_wan
 
@@ -193,6 +192,13 @@ class _Distributed:
     """Mixed in before the user's optimizer class by ``DistributedOptimizer``."""
 
     _geompi: Synchronizer
+
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """Where the global servers step, a GradScaler hands step() its state (``found_inf``)
+        instead of unscaling: step() then refuses it, since the servers stepped on the scaled
+        gradients during backward."""
+        return self._geompi.server_side
 
     def step(self, closure: Callable[[], float] | None = None):  # type: ignore[override]
         """One training step of the chosen algorithm (the same call on every worker)."""
@@ -420,11 +426,13 @@ class Synchronizer:
         # test hook: this worker is lost as it begins that step's FSA round (the CLI's loop
         # has its own, before the step's batch)
         self._kill_at = faults.fault_step("GEOMPI_FAULT_KILL_AT", session.rank)
-        model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
+        # removed at close(), so a DistributedOptimizer built later on the same model is the
+        # only one that sees its forwards and gradients
+        self.hooks = [model.register_forward_pre_hook(self._before_forward, with_kwargs=True)]
         self.hooked = {id(p) for p in self.params if p.requires_grad}
         for p in self.params:
             if p.requires_grad:
-                p.register_post_accumulate_grad_hook(self._on_grad)
+                self.hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
 
     # ---- keys -----------------------------------------------------------------------------
     @property
@@ -540,6 +548,8 @@ class Synchronizer:
         if self.closed:
             return
         self.closed = True
+        for hook in self.hooks:
+            hook.remove()
         if self.average_due:
             self._average_now()
         algo = self.algo
@@ -598,9 +608,7 @@ class Synchronizer:
                 self._begin_round()
         if self.reqs is None:
             return
-        bucket, off, numel = self.buckets.where[id(p)]
-        torch.mul(p.grad.reshape(-1), self.weight, out=bucket.grads[off : off + numel])
-        self.present_g[:, self.layout_pos[id(p)]] = 1.0
+        bucket = self._take_grad(p)
         self.ready[bucket.key] += 1
         if self._round_lost is not None:  # the round is redone as backward ends
             return
@@ -609,6 +617,14 @@ class Synchronizer:
             self.reqs.test()
         except Exception as e:  # noqa: BLE001 - a lost rank, under on_failure="continue"
             self._lost_while_pushing(e)
+
+    def _take_grad(self, p: torch.Tensor):
+        """Copy ``p``'s gradient, times this worker's weight, into its bucket, and mark it
+        present; returns the bucket."""
+        bucket, off, numel = self.buckets.where[id(p)]
+        torch.mul(p.grad.reshape(-1), self.weight, out=bucket.grads[off : off + numel])
+        self.present_g[:, self.layout_pos[id(p)]] = 1.0
+        return bucket
 
     def _lost_while_pushing(self, err: Exception) -> None:
         """A lost rank met by a push from a backward hook (on_failure="continue"): backward
@@ -645,6 +661,12 @@ class Synchronizer:
         for b in self.buckets:
             b.grads.zero_()
         self.present_g.zero_()
+        # What .grad holds already goes in too, as torch.optim would step it: an earlier
+        # micro-batch's gradient of a parameter this pass leaves alone, or the zeros that
+        # zero_grad(set_to_none=False) left. The hooks of this pass overwrite their own.
+        for p in self.params:
+            if p.grad is not None and id(p) in self.hooked:
+                self._take_grad(p)
         if not self.algo.local_steps:  # FSA, MixedSync: one round a step
             self.client.step = self.global_syncs + 1
             if self.client.step == self._kill_at:
@@ -722,6 +744,8 @@ class Synchronizer:
             self._pack_buffers(self._buffer_slice(self.aux_send), self.weight)
             self.client.push(self.reqs, self.aux_send)
             self._pull_pause()
+            # fresh tensors: a .grad the user kept from the last step (a view) keeps its values
+            self.results = [torch.empty_like(t) for t in self.results]
             for out in self.results:
                 self.client.pull(self.reqs, out)
             self.client.pull(self.reqs, self.aux_recv)
@@ -782,12 +806,7 @@ class Synchronizer:
             return
         if self.in_backward:
             raise ConfigError("synchronize() was called inside backward: call it after")
-        self._begin_round()
-        for p in self.params:  # gradients accumulated so far (hooks did not push them)
-            if p.grad is not None and p.requires_grad:
-                bucket, off, numel = self.buckets.where[id(p)]
-                torch.mul(p.grad.reshape(-1), self.weight, out=bucket.grads[off : off + numel])
-                self.present_g[:, self.layout_pos[id(p)]] = 1.0
+        self._begin_round()  # it takes the gradients accumulated so far
         self._finish_round()
 
     # ---- the step -------------------------------------------------------------------------
@@ -804,6 +823,15 @@ class Synchronizer:
                 ConfigError(
                     "DistributedOptimizer.step(closure) is not supported: call backward, then "
                     "step()"
+                )
+            )
+        if self.server_side and getattr(self.opt, "found_inf", None) is not None:
+            where = "MixedSync" if self.algo.independent_dcs else 'FSA(optimizer="servers")'
+            self._stop(
+                ConfigError(
+                    f"a GradScaler with {where}: the global servers step during backward, on "
+                    "the scaled gradients; use torch.autocast without a GradScaler, or FSA() "
+                    "(the workers step)"
                 )
             )
         if self.algo.local_steps:

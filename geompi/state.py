@@ -52,7 +52,22 @@ def save(
     return written
 
 
+def _on_servers(optimizer, verb: str) -> None:
+    """Refuse an optimizer whose state the global servers hold (they step): the workers'
+    copy is empty, so saving or loading it would lose that state without a word."""
+    engine = getattr(optimizer, "_geompi", None)
+    if engine is None or not engine.server_side:
+        return
+    where = "MixedSync" if engine.algo.independent_dcs else 'FSA(optimizer="servers")'
+    raise ConfigError(
+        f"geompi.{verb}(optimizer=...) under {where}: the optimizer state is on the global "
+        f"servers, which geompi.{verb} does not reach; pass optimizer=None (the model only), "
+        "or train with FSA() (the workers step) or the CLI's --checkpoint-dir"
+    )
+
+
 def _write(path, model, optimizer, step, epoch, metrics, s) -> pathlib.Path:
+    _on_servers(optimizer, "save")
     names = param_names(model, optimizer)
     state, attrs = {}, {"name": "none"}
     if optimizer is not None:
@@ -94,6 +109,7 @@ def load(
     err: GeompiError | None = None
     info: dict[str, Any] = {}
     try:
+        _on_servers(optimizer, "load")
         ck = ckpt.load(path)
         _restore(ck, model, optimizer)
         info = {"step": ck.step, "epoch": ck.epoch, "metrics": ck.attrs.get("metrics", {})}

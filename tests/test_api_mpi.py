@@ -19,6 +19,9 @@ KINDS = ["sgd", "adam", "adamw", "rmsprop", "adagrad", "clip", "accum", "nosync"
 KINDS += ["srv_sgd", "srv_adamw"]  # GeoMX's placement: the optimizer on the global servers
 KINDS += ["srv_groups_sgd", "srv_groups_adamw"]  # ... with two param groups and a schedule
 KINDS += ["srv_groups_clip"]  # ... and max_grad_norm, clipped by the global servers
+# accumulation where the last micro-batch leaves a parameter alone (both placements), a zero
+# gradient kept by zero_grad(set_to_none=False), a second optimizer on the same model
+KINDS += ["split", "srv_split", "keep", "srv_keep", "rewrap"]
 STEPS = 10
 
 
@@ -128,6 +131,15 @@ def test_accumulation_sends_nothing_on_skipped_micro_steps(fsa_2gs, kind):
         for i, nbytes in enumerate(sent):
             last = i % micro == micro - 1
             assert (nbytes > 0) == last, (w, i, sent)
+
+
+def test_a_kept_grad_is_not_overwritten_by_the_next_step(fsa_2gs):
+    """torch hands out a fresh .grad every step (zero_grad(set_to_none=True)): a gradient held
+    from step 0 keeps step 0's values, in both placements."""
+    for w in range(6):
+        log = json.loads((fsa_2gs / f"sent-w{w}.json").read_text())
+        for kind in ("sgd", "split", "srv_split", "rewrap"):
+            assert log[f"{kind}_kept_grad_intact"], (w, kind)
 
 
 def test_clipping_was_active(fsa_2gs):
@@ -428,6 +440,8 @@ def test_mixedsync_trains_the_users_sgd_and_dcasgd(tmp_path):
         ("bad_checkpoint", "does not fit this model"),
         ("bad_unfreeze", "was unfrozen after DistributedOptimizer was built"),
         ("bad_force_global", "force_global_average() is for HFA: under fsa"),
+        ("bad_scaler_servers", 'a GradScaler with FSA(optimizer="servers"): the global servers'),
+        ("bad_save_servers", 'geompi.save(optimizer=...) under FSA(optimizer="servers")'),
     ],
 )
 def test_user_errors_are_one_line_and_stop_every_rank(tmp_path, mode, words):

@@ -56,6 +56,10 @@ def test_resolve(sync, cls):
         (HFA(weighting="dc"), "weighting='dc'"),
         (HFA(outer_optimizer="adam"), "outer_optimizer='adam'"),
         (HFA(outer_lr=float("nan")), "outer_lr=nan"),
+        (HFA(outer_lr="1"), "outer_lr='1'"),  # a string: one line, not a TypeError
+        (HFA(fragments=2, mix=0.5), r"HFA\(mix\) 0.5 mixes an overlapped .* add HFA\(overlap\)"),
+        (MixedSync(dcasgd_lambda=-0.1), "dcasgd_lambda=-0.1"),
+        (MixedSync(dcasgd_lambda="0.1"), "dcasgd_lambda='0.1'"),
         (MixedSync(max_staleness=0), "max_staleness=0"),
         (42, "sync=42"),
         (HFA(k2=8, adaptive=True, k2_max=4), "starting k2 must lie within"),

@@ -18,7 +18,7 @@ from typing import ClassVar
 
 import torch
 
-from geompi.errors import ConfigError
+from geompi.errors import ConfigError, positive_number
 from geompi.ps.optim import make_spec, torch_optimizer
 from geompi.sync.base import Algorithm
 from geompi.sync.fsa import _sync_tier
@@ -81,7 +81,7 @@ class HFA(Algorithm):
             raise ConfigError(
                 f"HFA(outer_optimizer={self.outer_optimizer!r}): choose sgd or nesterov"
             )
-        if not math.isfinite(self.outer_lr) or self.outer_lr <= 0:
+        if not positive_number(self.outer_lr):
             raise ConfigError(f"HFA(outer_lr={self.outer_lr!r}): must be a finite number > 0")
         check_streaming(self.fragments, self.overlap, self.mix, self.k2, "HFA(", ")")
         if self.adaptive:
@@ -153,6 +153,11 @@ def check_streaming(
         raise ConfigError(f"{name('fragments')} {fragments!r}: must be a whole number >= 1")
     if not (isinstance(mix, int | float) and 0 < mix <= 1):
         raise ConfigError(f"{name('mix')} {mix!r}: must be in (0, 1] (1 replaces)")
+    if mix != 1 and not overlap:
+        raise ConfigError(
+            f"{name('mix')} {mix!r} mixes an overlapped global result into the local one: add "
+            f"{name('overlap')}, or drop {name('mix')}"
+        )
     if overlap and k2 < 2:
         raise ConfigError(
             f"{name('overlap')} needs k2 >= 2: a fragment's global result merges at its next "

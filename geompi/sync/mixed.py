@@ -16,7 +16,7 @@ from typing import ClassVar
 
 import torch
 
-from geompi.errors import ConfigError
+from geompi.errors import ConfigError, positive_number
 from geompi.ps.optim import DCASGD, SGD, spec_to_dict
 from geompi.sync.base import Algorithm
 from geompi.sync.fsa import server_spec, servers_optimizer, spec_message
@@ -51,6 +51,9 @@ class MixedSync(Algorithm):
             not isinstance(self.max_staleness, int) or self.max_staleness < 1
         ):
             raise ConfigError(f"MixedSync(max_staleness={self.max_staleness!r}): must be >= 1")
+        lam = self.dcasgd_lambda
+        if not (lam == 0 or positive_number(lam)) or isinstance(lam, bool):
+            raise ConfigError(f"MixedSync(dcasgd_lambda={lam!r}): must be a finite number >= 0")
 
     @classmethod
     def from_config(cls, cfg) -> MixedSync:

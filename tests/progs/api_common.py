@@ -49,6 +49,18 @@ def use_extra(worker: int, step: int) -> bool:
     return step % 3 == 0 and worker % 2 == 0
 
 
+def uses_extra(kind: str, worker: int, step: int, micro: int = 0) -> bool:
+    """``split`` cases: ``extra`` only in the first micro-batch of a step, so the last pass of
+    an accumulation leaves its gradient alone; else as use_extra."""
+    return micro == 0 if kind.endswith("split") else use_extra(worker, step)
+
+
+def zero_keeps(kind: str) -> bool:
+    """``keep`` cases: zero_grad(set_to_none=False), so a parameter no worker used this step
+    has a zero gradient (torch.optim steps it: momentum, weight decay), not None."""
+    return kind.endswith("keep")
+
+
 def batch(worker: int, step: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(100_000 * step + 100 * worker + micro)
     n = batch_size(worker, step, micro)
@@ -100,6 +112,9 @@ def make_optimizer(
     if kind in ("sgd", "clip"):
         opt = torch.optim.SGD(groups, lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-4)
         return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.3 * s))
+    if kind in ("split", "srv_split", "keep", "srv_keep", "rewrap"):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
+        return opt, None
     if kind in ("adam", "accum", "nosync"):
         opt = torch.optim.Adam(groups, lr=5e-3, weight_decay=1e-4)
         return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
@@ -128,25 +143,28 @@ def train_steps(model: Net, opt, worker: int, steps: int, sched=None, forced=())
             sched.step()
 
 
-MICRO = {"accum": 3, "nosync": 2}  # micro-batches per step
+MICRO = {"accum": 3, "nosync": 2, "split": 2, "srv_split": 2}  # micro-batches per step
 PERDC_STEPS = 10  # api_misc's MixedSync run with a schedule per datacenter
 CLIP = 0.05
 
 
 def reference(kind: str, workers: int, steps: int, seed: int = 1) -> dict[str, torch.Tensor]:
     """One process, the same optimizer, on the concatenation of every worker's batch, from the
-    model that worker 0 (the master, seed 1) builds."""
+    model that worker 0 (the master, seed 1) builds. ``rewrap``: a new optimizer of the same
+    kind takes over halfway."""
     model = make_model(seed)
     opt, sched = make_optimizer(model, kind)
     loss_fn = nn.CrossEntropyLoss()
     micro = MICRO.get(kind, 1)
     for t in range(steps):
-        opt.zero_grad()
+        if kind == "rewrap" and t == steps // 2:
+            opt, sched = make_optimizer(model, kind)
+        opt.zero_grad(set_to_none=not zero_keeps(kind))
         outs, ys = [], []
         for w in range(workers):
             for m in range(micro):
                 x, y = batch(w, t, m)
-                outs.append(model(x, use_extra(w, t)))
+                outs.append(model(x, uses_extra(kind, w, t, m)))
                 ys.append(y)
         loss_fn(torch.cat(outs), torch.cat(ys)).backward()
         if kind.endswith("clip"):

@@ -4,7 +4,7 @@
   step 3 is loaded into a fresh model and optimizer, which then trains on to step 6.
 - ``amp``: autocast + GradScaler under FSA and HFA, with an inf injected on one worker.
 - ``mixed``: MixedSync with the user's SGD (and DCASGD), and a schedule per datacenter.
-- ``bad_sync`` / ``bad_mixed_optimizer`` / ``bad_checkpoint``: user errors.
+- ``bad_sync`` / ``bad_mixed_optimizer`` / ``bad_checkpoint`` / ...: user errors.
 """
 
 import json
@@ -165,6 +165,17 @@ elif mode == "bad_force_global":
     model = nn.Sequential(nn.Linear(IN, 8), nn.Linear(8, OUT))
     opt = geompi.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
     opt.force_global_average()
+elif mode == "bad_scaler_servers":
+    model = nn.Sequential(nn.Linear(IN, 8), nn.Linear(8, OUT))
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = geompi.DistributedOptimizer(sgd, model, sync=geompi.FSA(optimizer="servers"))
+    train(model, opt, 2, scaler=torch.amp.GradScaler("cpu"))
+elif mode == "bad_save_servers":
+    model = nn.Sequential(nn.Linear(IN, 8), nn.Linear(8, OUT))
+    adam = torch.optim.Adam(model.parameters(), lr=0.1)
+    opt = geompi.DistributedOptimizer(adam, model, sync=geompi.FSA(optimizer="servers"))
+    train(model, opt, 2)
+    geompi.save(f"{out}/srv.h5", model=model, optimizer=opt, step=2)
 geompi.finish()
 with open(f"{out}/done-w{w}.json", "w") as f:
     json.dump({"mode": mode}, f)
