@@ -1,5 +1,6 @@
 """The emulated link's arithmetic and the WAN compressors, without MPI."""
 
+import math
 import time
 
 import pytest
@@ -353,3 +354,32 @@ def test_int_error_feedback_matches_a_numpy_simulation(spec, qmax):
         sent = _np_quant(v, qmax)
         residual = v - sent
         np.testing.assert_allclose(got.numpy(), sent, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("spec", ["fp16", "int8", "topk:0.5+int8"])
+def test_values_next_to_fp32s_largest_decode_finite(spec):
+    """A chunk whose largest magnitude rounds up to the next power of two on the wire (fp16:
+    to 2^15 times its scale; int8: 127 times max/127) would decode past fp32's largest value,
+    to inf. Clamped to it, the error stays within the codec's bound."""
+    fmax = torch.finfo(torch.float32).max
+    c = make_compressor(spec)
+    for top in (fmax, 3.402e38, 3.40199e38):
+        x = torch.tensor([top, -top, 1.0, -2.5e38] * 300, dtype=torch.float32)
+        y = c.decompress(c.compress(x), x.numel())
+        assert bool(torch.isfinite(y).all()), (spec, top)
+        kept = y != 0  # top-k leaves some out
+        err = (y - x)[kept].abs().max()
+        assert float(err) <= top * 2.0**-8, (spec, top, float(err))
+
+
+def test_topk_keeps_exactly_the_ceiling_of_its_fraction():
+    """ceil(F * n) in exact arithmetic (0.07 * 100 is 7.000000000000001 in floating point),
+    and the fraction travels to the servers with all its digits."""
+    from fractions import Fraction
+
+    for spec in ("0.07", "0.1", "0.3", "0.123456789"):
+        c = make_compressor(f"topk:{spec}")
+        for n in range(1, 2001):
+            assert c.k(n) == max(1, math.ceil(Fraction(spec) * n)), (spec, n)
+        assert make_compressor(c.name).k(10**7) == c.k(10**7)
+        assert c.name == f"topk:{spec}"

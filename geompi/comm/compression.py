@@ -11,6 +11,7 @@ key, as GeoMX's bi-sparse compression (BSC) and Horovod-era top-k schemes do.
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import torch
 
@@ -44,6 +45,7 @@ class Compressor:
 #: Values per fp32 scale in an fp16 payload.
 FP16_CHUNK = 1024
 _BF16_MAX = float(torch.finfo(torch.bfloat16).max)
+_FP32_MAX = float(torch.finfo(torch.float32).max)
 
 
 class CastCompressor(Compressor):
@@ -95,7 +97,7 @@ class CastCompressor(Compressor):
         out = torch.zeros(c * FP16_CHUNK, dtype=torch.float32)
         out[:n] = payload[4 * c : 4 * c + 2 * n].view(torch.float16)
         out.view(c, FP16_CHUNK).mul_(scales[:, None])
-        return out[:n]
+        return out[:n].clamp_(-_FP32_MAX, _FP32_MAX)  # a value rounded up past fp32's largest
 
 
 class TopKCompressor(Compressor):
@@ -105,10 +107,11 @@ class TopKCompressor(Compressor):
 
     def __init__(self, fraction: float) -> None:
         self.fraction = fraction
-        self.name = f"topk:{fraction:g}"
+        self.name = f"topk:{fraction!r}"  # exactly the fraction: the servers parse it
 
     def k(self, n: int) -> int:
-        return 0 if n == 0 else max(1, math.ceil(self.fraction * n))
+        # exact: 0.07 * 100 is 7.000000000000001 in floating point, which would keep 8
+        return 0 if n == 0 else max(1, math.ceil(Fraction(repr(self.fraction)) * n))
 
     def payload_nbytes(self, n: int) -> int:
         return 8 * self.k(n)
@@ -199,7 +202,7 @@ class QuantCompressor(Compressor):
         out = torch.zeros(c * QUANT_CHUNK, dtype=torch.float32)
         out[:n] = q
         out.view(c, QUANT_CHUNK).mul_(scales[:, None])
-        return out[:n]
+        return out[:n].clamp_(-_FP32_MAX, _FP32_MAX)  # 127 * (max / 127) may round past it
 
 
 class TopKQuantCompressor(Compressor):
@@ -211,7 +214,7 @@ class TopKQuantCompressor(Compressor):
     def __init__(self, fraction: float, bits: int = 8) -> None:
         self.topk = TopKCompressor(fraction)
         self.quant = QuantCompressor(bits)
-        self.name = f"topk:{fraction:g}+int{bits}"
+        self.name = f"topk:{fraction!r}+int{bits}"
 
     def payload_nbytes(self, n: int) -> int:
         k = self.topk.k(n)
