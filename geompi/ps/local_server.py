@@ -265,6 +265,7 @@ class LocalServer:
         # of being waited for: key -> (result requests, result buffer).
         self.fragments, self.overlap, self.mix = fragments, overlap, mix
         self.fragment_of: dict[int, int] = {}
+        self.staggered = 1  # the fragments the keys make, staggered over K2 rounds
         # Test hook: GEOMPI_TEST_ROUND_LOG=DIR writes, per datacenter, the keys that went global
         # at each AVG round and the fragment plan, when the workers stop.
         self.round_log: list[list[int]] | None = [] if os.environ.get(_ROUND_LOG) else None
@@ -341,8 +342,9 @@ class LocalServer:
             return False
         incoming = self._receive_pushes(rnd, bufs)
         due = set(range(len(bufs)))  # the keys that go on to the global tier
-        if rnd.op is Op.INIT:
+        if rnd.op is Op.INIT:  # fewer fragments than asked where the keys are fewer
             self.fragment_of = fragment_plan(rnd.keys, self.fragments)
+            self.staggered = max(self.fragment_of.values(), default=0) + 1
         # The workers make a round global (FLAG_GLOBAL: close(), the CLI's checkpoints): every
         # key goes up now, streaming's overlap waits for the result, so the round ends on one
         # global model, and the staggered schedule starts again after it.
@@ -356,7 +358,7 @@ class LocalServer:
                 i
                 for i, (k, _) in enumerate(rnd.keys)
                 if forced
-                or is_global(self.avg_rounds[k], self.fragment_of.get(k, 0), self.fragments, k2)
+                or is_global(self.avg_rounds[k], self.fragment_of.get(k, 0), self.staggered, k2)
             }
         if forced:
             self.avg_rounds.update({k: 0 for k, _ in rnd.keys})

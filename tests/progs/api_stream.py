@@ -3,8 +3,8 @@
 ``overlap``: 2 fragments, overlap, mix 0.5, K1=2, K2=2 on datacenters of 2 and 3 workers with
 2 global servers; a bucket per parameter, and the fragments' own cuts inside parameters
 (tests/progs/api_common.py: stream_reference cuts them by hand); then the same with two
-rounds made global (as the CLI's checkpoints make them), and with adaptive cadence. ``plain``: HFA, then the same with fragments=1 (must be
-bitwise equal).
+rounds made global (as the CLI's checkpoints make them), and with adaptive cadence.
+``plain``: HFA, then the same with fragments=1 (must be bitwise equal).
 Every worker saves its final state.
 """
 
