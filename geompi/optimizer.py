@@ -929,6 +929,8 @@ class Synchronizer:
         ``force_global``) of parameters and float buffers; with adaptive ``cadence``, its
         K2 goes to the local server and the exchange times it measured come back."""
         flags = (FLAG_GLOBAL if force_global else 0) | self.lan_flags
+        if self.aux_len:  # the buffers: averaged by the global servers, never outer-stepped
+            flags |= FLAG_MEAN
         for b in self.buckets:
             torch.mul(b.params, weight, out=b.grads)
         if self.aux_len:

@@ -293,6 +293,32 @@ def _bn_mean(workers, steps=6):
     return mean
 
 
+def test_hfa_averages_buffers_while_the_parameters_take_the_outer_step(buffers_run):
+    """HFA(k1=2, k2=2) with an outer Nesterov step (lr 0.7) on datacenters of 2 and 3
+    workers: the BatchNorm's running mean (of the raw input: data only) is each worker's own
+    EMA between averages, then the sample-weighted mean of its datacenter every 2 steps and of
+    every worker every 4; the outer step is for the parameters only (simulated here)."""
+    from tests.progs.api_common import batch
+
+    dcs, means = [[0, 1], [2, 3, 4]], [torch.zeros(10) for _ in range(MISC_WORKERS)]
+    samples = [0] * MISC_WORKERS
+    for t in range(8):
+        for w in range(MISC_WORKERS):
+            x = batch(w, t)[0]
+            means[w] = 0.8 * means[w] + 0.2 * x.mean(0)
+            samples[w] += len(x)
+        if (t + 1) % 2:
+            continue
+        for group in [range(MISC_WORKERS)] if (t + 1) % 4 == 0 else dcs:
+            avg = sum(means[w] * samples[w] for w in group) / sum(samples[w] for w in group)
+            for w in group:
+                means[w] = avg
+        samples = [0] * MISC_WORKERS
+    for w, r in enumerate(_load(buffers_run, "bn-hfa-nesterov")):
+        got = r["model"]["bn.running_mean"]
+        assert torch.allclose(got, means[w], atol=1e-6), (w, got, means[w])
+
+
 def test_buffers_where_the_servers_step(buffers_run):
     """FSA(optimizer="servers"): every step's buffers are the mean over all workers.
     MixedSync (datacenters of 2 and 3 workers): each datacenter's are its own workers' mean,

@@ -22,10 +22,10 @@ def fragment_plan(keys: list[tuple[int, int]], fragments: int) -> dict[int, int]
     sizes = [n for _, n in keys]
     if fragments <= 1 or not sizes:
         return {key: 0 for key, _ in keys}
-    total, starts = sum(sizes), list(itertools.accumulate([0, *sizes[:-1]]))
-    ends = [total * f // fragments for f in range(fragments + 1)]
-    if total >= fragments and set(ends[1:-1]) <= set(starts):  # equal cuts: f's own keys
-        return {key: bisect.bisect_right(ends, s) - 1 for (key, _), s in zip(keys, starts)}
+    for cut in (keys, keys[:-1]):  # a last key past the cuts (the buffers') joins the last
+        plan = _equal_cuts(cut, fragments)
+        if plan is not None:
+            return {key: plan.get(key, fragments - 1) for key, _ in keys}
     lo, hi = max(sizes), sum(sizes)
     while lo < hi:  # the least cap under which a greedy fill needs at most `fragments` runs
         cap = (lo + hi) // 2
@@ -40,6 +40,16 @@ def fragment_plan(keys: list[tuple[int, int]], fragments: int) -> dict[int, int]
             plan[keys[i][0]] = f
             i += 1
     return plan
+
+
+def _equal_cuts(keys: list[tuple[int, int]], fragments: int) -> dict[int, int] | None:
+    """Key -> fragment where the keys fall on the model's F equal fractions, else None."""
+    sizes = [n for _, n in keys]
+    total, starts = sum(sizes), list(itertools.accumulate([0, *sizes[:-1]]))
+    ends = [total * f // fragments for f in range(fragments + 1)]
+    if not sizes or total < fragments or not set(ends[1:-1]) <= set(starts):
+        return None
+    return {key: bisect.bisect_right(ends, s) - 1 for (key, _), s in zip(keys, starts)}
 
 
 def _fill(sizes: list[int], cap: int, fragments: int) -> list[int]:

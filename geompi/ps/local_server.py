@@ -19,6 +19,7 @@ from geompi.errors import NonFiniteError
 from geompi.ps.fragments import fragment_plan, is_global
 from geompi.ps.protocol import (
     FLAG_GLOBAL,
+    FLAG_MEAN,
     FLAG_RAW,
     FLAG_SCATTER,
     FLAG_WEIGHT_FINAL,
@@ -33,6 +34,7 @@ from geompi.ps.protocol import (
     agree,
     expect_presence,
     header_len,
+    mean_position,
     plain_positions,
     presence_payload,
     presence_position,
@@ -371,6 +373,8 @@ class LocalServer:
         started = None  # when the first key went up
         if due:
             flags = rnd.flags & ~FLAG_SCATTER | (FLAG_GLOBAL if rnd.op is Op.AVG else 0)
+            if mean_position(rnd) not in due:  # the buffers' key stays here this round
+                flags &= ~FLAG_MEAN
             if not self._may_skip(rnd):
                 flags |= FLAG_WEIGHT_FINAL  # a non-finite sum raises: the weight stays
             self.uplink.begin(

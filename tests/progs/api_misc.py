@@ -75,6 +75,16 @@ if mode == "buffers":
     dump("loaded", fresh, opt=opt2.state_dict(), step=info["step"])
     train(fresh, opt2, 6, start=3)
     dump("resumed", fresh)
+    # HFA with DiLoCo's outer Nesterov: the parameters take the outer step, the buffers are
+    # averaged (weighted by samples) at every datacenter and global average
+    torch.manual_seed(1 + w)
+    model = BNNet()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    algo = geompi.HFA(k1=2, k2=2, outer_optimizer="nesterov", outer_lr=0.7)
+    opt = geompi.DistributedOptimizer(sgd, model, sync=algo)
+    train(model, opt, 8)
+    opt.close()
+    dump("bn-hfa-nesterov", model)
     # Where the servers step: buffers travel as a mean key. FSA's servers placement averages
     # them every step; MixedSync per datacenter, and across datacenters at the end.
     # With int8 on the WAN, the mean key still travels exactly.
