@@ -22,10 +22,9 @@ def fragment_plan(keys: list[tuple[int, int]], fragments: int) -> dict[int, int]
     sizes = [n for _, n in keys]
     if fragments <= 1 or not sizes:
         return {key: 0 for key, _ in keys}
-    for cut in (keys, keys[:-1]):  # a last key past the cuts (the buffers') joins the last
-        plan = _equal_cuts(cut, fragments)
-        if plan is not None:
-            return {key: plan.get(key, fragments - 1) for key, _ in keys}
+    plan = _equal_cuts(keys, fragments)
+    if plan is not None:  # the largest is ceil(N / F): none can be smaller
+        return plan
     lo, hi = max(sizes), sum(sizes)
     while lo < hi:  # the least cap under which a greedy fill needs at most `fragments` runs
         cap = (lo + hi) // 2
