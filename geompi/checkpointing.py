@@ -35,7 +35,12 @@ from geompi.comm.transport import (
     live_timeout,
     recv_state,
 )
-from geompi.errors import CheckpointError, CheckpointWriteError
+from geompi.errors import (
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointWriteError,
+    ConfigError,
+)
 from geompi.ps.protocol import TAG_RESTORE, TAG_SNAPSHOT, Op
 from geompi.runtime import say
 
@@ -125,6 +130,9 @@ def _is_int(v) -> bool:
     return not isinstance(v, bool) and isinstance(v, (int, np.integer))
 
 
+_INDEX_TYPES = (torch.int32, torch.int64)  # what /progress positions and steps are written as
+
+
 def check_resumable(
     path, ck: ckpt.Checkpoint, cfg, shapes: dict[str, torch.Size], num_workers: int
 ) -> str:
@@ -138,6 +146,13 @@ def check_resumable(
     def bad(what: str, fix: str = "resume from a checkpoint written by this geompi") -> None:
         raise CheckpointError(f"checkpoint {path}: {what}: {fix}")
 
+    def group(value, what: str) -> dict:
+        """``value`` if it is a group (a dict), else refused: a file that verifies may still
+        hold an attribute or a tensor where geompi writes a group."""
+        if not isinstance(value, dict):
+            bad(f"{what} is {_shape_of(value)}, not a group")
+        return value
+
     if ck.step < 0 or ck.epoch < 0:
         bad(f"negative step {ck.step} or epoch {ck.epoch}")
     topo = ck.attrs.get("topology")
@@ -149,6 +164,11 @@ def check_resumable(
     config = ck.attrs.get("config")
     if not isinstance(config, dict):
         bad(f"attribute config is {type(config).__name__}, not a JSON object")
+    wan = config.get("wan_compression", "none")
+    try:
+        make_compressor(wan if isinstance(wan, str) else "?")
+    except ConfigError:
+        bad(f"/config wan_compression is {wan!r}, not a WAN codec")
     # The model: its parameter names and shapes are the fingerprint, checked on reading; the
     # --model name or pkg.module:factory spec (in /config) tells apart models that share them.
     written_model = config.get("model")
@@ -165,7 +185,8 @@ def check_resumable(
 
     # The optimizer: its name, then the state each parameter needs (a missing exp_avg is a
     # KeyError at the first update, hours after the start).
-    local = ck.algorithm.get("hfa", {}).get("local", {})
+    hfa = group(ck.algorithm.get("hfa", {}), "/algorithm/hfa")
+    local = group(hfa.get("local", {}), "/algorithm/hfa/local")
     if cfg.algorithm.local_steps:
         written = config.get("optimizer") if local else None
         states = {}
@@ -188,7 +209,10 @@ def check_resumable(
         owner, _, state_name = state_path.rpartition("/")
         for name, t in named.items():
             per_param[(owner, name)].add(state_name)
-            _check_tensor(bad, f"optimizer state {state_path}/{name}", name, t, shapes)
+            # a 0-d tensor only where torch keeps one number (Adam's step), never a buffer
+            _check_tensor(
+                bad, f"optimizer state {state_path}/{name}", name, t, shapes, state_name == "step"
+            )
     want = expected_state_names(cfg)
     for (_, name), have in sorted(per_param.items()):
         missing = want - have
@@ -199,10 +223,12 @@ def check_resumable(
                 "resume with the checkpoint's --optimizer and momentum, or start a new "
                 "--checkpoint-dir",
             )
-    for dc, named in ck.algorithm.get("dcasgd", {}).get("backup", {}).items():
-        for name, t in named.items():
+    dcasgd = group(ck.algorithm.get("dcasgd", {}), "/algorithm/dcasgd")
+    for dc, named in group(dcasgd.get("backup", {}), "/algorithm/dcasgd/backup").items():
+        for name, t in group(named, f"/algorithm/dcasgd/backup/{dc}").items():
             _check_tensor(bad, f"DCASGD backup {dc}/{name}", name, t, shapes, scalar=False)
-    for name, t in ck.algorithm.get("hfa", {}).get("outer_momentum", {}).items():
+    outer = group(hfa.get("outer_momentum", {}), "/algorithm/hfa/outer_momentum")
+    for name, t in outer.items():
         _check_tensor(bad, f"HFA outer momentum {name}", name, t, shapes, scalar=False)
 
     # /progress: one (epoch, position) row, step and RNG state per worker of the old run.
@@ -210,17 +236,22 @@ def check_resumable(
     pos = pr.get("data_positions")
     if not isinstance(pos, torch.Tensor) or pos.dim() != 2 or pos.shape[1] != 2 or not len(pos):
         bad(f"/progress/data_positions is {_shape_of(pos)}, not one (epoch, position) per worker")
-    if pos.is_floating_point() or bool((pos < 0).any()):
+    if pos.dtype not in _INDEX_TYPES or bool((pos < 0).any()):
         bad("/progress/data_positions holds negative or non-integer positions")
     old_workers = len(pos)
     steps = pr.get("steps")
     if steps is not None and (
         not isinstance(steps, torch.Tensor)
         or steps.shape != (old_workers,)
-        or steps.is_floating_point()
+        or steps.dtype not in _INDEX_TYPES
         or bool((steps < 0).any())
     ):
         bad(f"/progress/steps is {_shape_of(steps)}, not one step per worker ({old_workers})")
+    if steps is not None and not cfg.algorithm.independent_dcs and bool((steps != ck.step).any()):
+        bad(
+            f"/progress/steps is {steps.tolist()}, but every worker of --sync {cfg.sync} is at "
+            f"the checkpoint's step {ck.step}"
+        )
     rng_len = torch.get_rng_state().numel()
     rng = pr.get("rng", {})
     if not isinstance(rng, dict):
@@ -228,6 +259,13 @@ def check_resumable(
     for k, t in rng.items():
         if not (isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.shape == (rng_len,)):
             bad(f"/progress/rng/{k} is {_shape_of(t)}, not a torch CPU RNG state")
+        now = torch.get_rng_state()
+        try:  # torch refuses an invalid state only when it is set: try it here
+            torch.set_rng_state(t)
+        except RuntimeError:
+            bad(f"/progress/rng/{k} is not a valid torch CPU RNG state")
+        finally:
+            torch.set_rng_state(now)
     if local and len(local) != old_workers:
         bad(f"{len(local)} HFA local optimizer states but {old_workers} workers in /progress")
     if old_workers == num_workers:
@@ -292,6 +330,8 @@ class Checkpointing:
         for path in ckpt.by_write_order(directory):
             try:  # only an unreadable file is skipped; a mismatch with this run is not
                 ck = self.read(path)
+            except CheckpointMismatchError:
+                raise
             except CheckpointError as e:
                 skipped.append((path, e))
                 continue
@@ -583,10 +623,9 @@ class Checkpointing:
                 f"checkpoint {path} was written by --sync {ck.algorithm_name}: resume it with "
                 f"--sync {ck.algorithm_name}"
             )
-        config = ck.attrs.get("config") or {}
-        written = (json.loads(config) if isinstance(config, str) else config).get(
-            "wan_compression", "none"
-        )
+        shapes = {n: p.shape for n, p in w.model.named_parameters()}
+        self.worker_note = check_resumable(path, ck, w.cfg, shapes, w.topo.num_workers)
+        written = ck.attrs["config"].get("wan_compression", "none")  # a codec: checked above
         now = w.cfg.wan_settings().compression
         if make_compressor(written).lossy and make_compressor(now).lossy:
             raise CheckpointError(
@@ -594,8 +633,6 @@ class Checkpointing:
                 "residuals and replicas (held by the local servers) it does not hold, so a "
                 "resume would not continue that run: resume with --wan-compression none"
             )
-        shapes = {n: p.shape for n, p in w.model.named_parameters()}
-        self.worker_note = check_resumable(path, ck, w.cfg, shapes, w.topo.num_workers)
         with torch.no_grad():
             for name, p in w.model.named_parameters():
                 p.copy_(ck.model[name].to(p.device))

@@ -34,6 +34,11 @@ class CheckpointWriteError(CheckpointError):
     is intact, so training can go on without that checkpoint."""
 
 
+class CheckpointMismatchError(CheckpointError):
+    """A readable checkpoint of another model than this run's: refused, never skipped as a
+    damaged one (``--resume latest`` would then write over it)."""
+
+
 class ProtocolError(GeompiError):
     """Ranks disagree about a round (e.g. KVStore keys pushed in different orders)."""
 

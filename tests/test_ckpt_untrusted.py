@@ -320,3 +320,25 @@ def test_good_files_still_pass(tmp_path):
     ck = ckpt.load(path)
     for k, v in make_model().items():
         assert torch.equal(ck.model[k], v), k
+
+
+def test_an_unterminated_json_string_is_refused_without_a_hang(tmp_path):
+    """``"\\"\\"\\"...`` with no closing quote: finding the JSON strings used to retry from every
+    quote (quadratic: about 20 minutes for these 600 kB); now one pass, one line."""
+    path = good(tmp_path / ckpt.checkpoint_name(3))
+    with h5py.File(path, "r+") as f:
+        f.attrs["metrics"] = '"' + '\\"' * 300_000
+    for args, rc in ((["verify", str(path)], 1), (["ls", str(tmp_path)], 0)):  # ls: a row
+        r = run_cli(*args, timeout=60)  # raises TimeoutExpired (fails) on the quadratic scan
+        assert r.returncode == rc, (args, r.stdout, r.stderr)
+        assert "Traceback" not in r.stderr and "@metrics is not valid JSON" in r.stdout, r
+
+
+def test_diff_of_files_with_an_empty_bytes_value(tmp_path):
+    """save() writes b"" fine; diff compared it through torch.frombuffer, which refuses it."""
+    a, b = (
+        ckpt.save(tmp_path / f"{n}.h5", model=make_model(), progress={"blob": b""}, step=1)
+        for n in ("a", "b")
+    )
+    r = run_cli("diff", str(a), str(b))
+    assert r.returncode == 0 and "Traceback" not in r.stderr, (r.stdout, r.stderr)

@@ -46,6 +46,39 @@ def test_resume_latest_skips_a_torn_newest_checkpoint(tmp_path):
     assert not error_lines(res.stderr)
 
 
+def test_resume_latest_refuses_a_newer_checkpoint_of_another_model(tmp_path):
+    """A good file of another model is a mistake to report, not a damaged file to skip: the
+    run refused to resume from it, then wrote over it with its own checkpoint of that step."""
+    d, other = tmp_path / "ck", tmp_path / "other"
+    train(3, "--steps", 10, "--checkpoint-dir", d, "--checkpoint-every", 10)
+    linear = [
+        "--model",
+        "linear",
+        "--steps",
+        20,
+        "--checkpoint-dir",
+        other,
+        "--checkpoint-every",
+        20,
+    ]
+    train(3, *linear)
+    theirs = d / ckpt.checkpoint_name(20)
+    theirs.write_bytes((other / ckpt.checkpoint_name(20)).read_bytes())  # the newest file
+    before = theirs.read_bytes()
+    res = train(
+        3, "--steps", 30, "--checkpoint-dir", d, "--checkpoint-every", 10, "--resume", "latest",
+        check=False, timeout=60,
+    )  # fmt: skip
+    errs = error_lines(res.stderr)
+    assert res.returncode == 2 and len(errs) == 1, res.stderr[-3000:]
+    assert "ckpt-00000020.h5 is of a different model" in errs[0], errs
+    assert theirs.read_bytes() == before  # untouched
+    assert [p.name for p in ckpt.list_checkpoints(d)] == [
+        ckpt.checkpoint_name(10),
+        ckpt.checkpoint_name(20),
+    ]
+
+
 def test_resume_with_another_optimizer_is_refused_before_training(tmp_path):
     d = tmp_path / "ck"
     train(3, "--steps", 4, "--checkpoint-dir", d, "--momentum", "0.9")

@@ -112,3 +112,66 @@ def test_another_model_spec_with_the_same_shapes_is_refused(tmp_path):
     msg = one_line(exc)
     assert "written by --model mypkg.nets:small but this run uses --model mypkg.nets:other" in msg
     assert "resume with --model mypkg.nets:small" in msg
+
+
+def _rng_zeros() -> torch.Tensor:
+    """A uint8 tensor shaped as torch's CPU RNG state, all zeros (torch refuses to set it)."""
+    return torch.zeros(torch.get_rng_state().numel(), dtype=torch.uint8)
+
+
+@pytest.mark.parametrize(
+    "kw, expect",
+    [
+        # structures where geompi writes a group: a number, a tensor (verify passes these)
+        (dict(algorithm={"hfa": 5}), "/algorithm/hfa is"),
+        (dict(algorithm={"hfa": {"local": 1}}), "/algorithm/hfa/local is"),
+        (dict(algorithm={"hfa": {"outer_momentum": torch.ones(3)}}), "outer_momentum is"),
+        (dict(algorithm={"dcasgd": torch.ones(2)}), "/algorithm/dcasgd is"),
+        (dict(config={"optimizer": "sgd", "wan_compression": 7}), "wan_compression is 7"),
+        (dict(config={"optimizer": "sgd", "wan_compression": "zip"}), "wan_compression is"),
+        # positions and steps of a type that has no order, or out of line with @step
+        ({"progress": {"data_positions": torch.tensor([[0, 4], [0, 4]]) + 0j}}, "positions"),
+        ({"progress": {"data_positions": torch.tensor([[0, 4]], dtype=torch.uint8)}}, "positions"),
+        (
+            {"progress": {"data_positions": torch.tensor([[0, 4]]), "steps": torch.tensor([4j])}},
+            "/progress/steps is",
+        ),
+        (
+            {
+                "progress": {
+                    "data_positions": torch.tensor([[0, 4]]),
+                    "steps": torch.tensor([2**62]),
+                }
+            },
+            "every worker of --sync fsa is at the checkpoint's step 4",
+        ),
+        # an RNG state of the right shape that torch refuses to set
+        (
+            {"progress": {"data_positions": torch.tensor([[0, 4]]), "rng": {"w": _rng_zeros()}}},
+            "rng/w is not a valid",
+        ),
+        # a 0-d tensor where the state is a buffer per value (only Adam's step is one number)
+        (
+            dict(optimizer={"momentum_buffer": {"w": torch.ones(3, 2), "b": torch.tensor(1.0)}}),
+            "momentum_buffer/b is",
+        ),
+    ],
+)
+def test_a_file_that_verifies_but_holds_the_wrong_structure_is_refused(tmp_path, kw, expect):
+    """One line naming the file and the part, not a traceback (AttributeError, TypeError,
+    NotImplementedError) at start-up, nor a failure hours later (an invalid RNG state when it is
+    set, a 0-d momentum buffer at the first server step, a step far ahead)."""
+    with pytest.raises(CheckpointError) as exc:
+        _check(_file(tmp_path, **kw))
+    assert expect in one_line(exc) and "ck.h5" in one_line(exc), one_line(exc)
+
+
+def test_adams_scalar_step_is_accepted(tmp_path):
+    opt = {
+        name: {n: torch.ones(s) for n, s in SHAPES.items()} for name in ("exp_avg", "exp_avg_sq")
+    }
+    opt["step"] = {n: torch.tensor(4.0) for n in SHAPES}
+    ck = _file(
+        tmp_path, optimizer=opt, optimizer_attrs={"name": "adam"}, config={"optimizer": "adam"}
+    )
+    assert _check(ck, "--optimizer", "adam") == ""

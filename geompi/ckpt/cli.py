@@ -110,7 +110,9 @@ def _flatten(ck: Checkpoint) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
             if isinstance(v, torch.Tensor):
                 tensors[f"{prefix}/{k}"] = v
             elif isinstance(v, bytes):
-                tensors[f"{prefix}/{k}"] = torch.frombuffer(bytearray(v), dtype=torch.uint8)
+                # frombuffer refuses an empty buffer, which save() writes fine
+                raw = torch.frombuffer(bytearray(v), dtype=torch.uint8) if v else torch.empty(0)
+                tensors[f"{prefix}/{k}"] = raw.to(torch.uint8)
             elif isinstance(v, Mapping):
                 tree(f"{prefix}/{k}", v)
             else:

@@ -35,7 +35,7 @@ from geompi.ckpt.format import (
     _chunk_walk,
     fingerprint,
 )
-from geompi.errors import CheckpointError
+from geompi.errors import CheckpointError, CheckpointMismatchError
 
 
 def _read_chunks(ds: h5py.Dataset) -> np.ndarray | None:
@@ -148,7 +148,9 @@ _TYPE_NAMES = {
     h5py.h5t.VLEN: "variable-length",
     h5py.h5t.ARRAY: "array",
 }
-_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
+# A string, or an unterminated one to the end: with the closing quote optional, a match never
+# fails, so the scan is linear (a required quote made it retry from every quote: quadratic)
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"?', re.DOTALL)
 
 
 def _untrusted(what: str) -> str:
@@ -705,7 +707,7 @@ class _Reader:
                 "pass the same --model/--dataset as the run that wrote it"
             )
             if not self.collect:
-                raise CheckpointError(msg)
+                raise CheckpointMismatchError(msg)
             self.problems.append(msg)
 
         def group(name: str) -> h5py.Group | None:
