@@ -183,6 +183,11 @@ def check_resumable(
     if not _is_int(ck.algorithm.get("global_updates", 0)):
         bad("/algorithm@global_updates is not an integer")
 
+    for name in shapes:  # parameters only: a persistent buffer may hold -inf (a mask)
+        t = ck.model.get(name)
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            _check_finite(bad, f"parameter {name} in /model", t)
+
     # The optimizer: its name, then the state each parameter needs (a missing exp_avg is a
     # KeyError at the first update, hours after the start).
     hfa = group(ck.algorithm.get("hfa", {}), "/algorithm/hfa")
@@ -295,6 +300,18 @@ def _check_tensor(bad, what: str, name: str, t, shapes, scalar: bool = True) -> 
         bad(
             f"{what} is {_shape_of(t)} but the parameter is {tuple(shapes[name])}",
             "the file is damaged or was edited; resume from an earlier checkpoint",
+        )
+    _check_finite(bad, what, t)
+
+
+def _check_finite(bad, what: str, t: torch.Tensor) -> None:
+    """NaN or Inf in a parameter or its state: the run would stop at its first non-finite
+    gradient, blaming the learning rate, instead of naming the file."""
+    if not bool(torch.isfinite(t).all()):
+        bad(
+            f"{what} holds NaN or Inf",
+            "the run had diverged when it was written, or the file was edited; resume from an "
+            "earlier checkpoint",
         )
 
 

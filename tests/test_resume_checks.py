@@ -150,6 +150,20 @@ def _rng_zeros() -> torch.Tensor:
             {"progress": {"data_positions": torch.tensor([[0, 4]]), "rng": {"w": _rng_zeros()}}},
             "rng/w is not a valid",
         ),
+        # NaN or Inf in a parameter or its optimizer state: the run would stop at its first
+        # non-finite gradient, blaming the learning rate
+        (
+            dict(model={"w": torch.zeros(3, 2), "b": torch.tensor([0.0, float("nan"), 0.0])}),
+            "parameter b in /model holds NaN or Inf",
+        ),
+        (
+            dict(
+                optimizer={
+                    "momentum_buffer": {"w": torch.full((3, 2), float("inf")), "b": torch.ones(3)}
+                }
+            ),
+            "momentum_buffer/w holds NaN or Inf",
+        ),
         # a 0-d tensor where the state is a buffer per value (only Adam's step is one number)
         (
             dict(optimizer={"momentum_buffer": {"w": torch.ones(3, 2), "b": torch.tensor(1.0)}}),
@@ -175,3 +189,10 @@ def test_adams_scalar_step_is_accepted(tmp_path):
         tmp_path, optimizer=opt, optimizer_attrs={"name": "adam"}, config={"optimizer": "adam"}
     )
     assert _check(ck, "--optimizer", "adam") == ""
+
+
+def test_a_buffer_of_minus_inf_is_not_a_diverged_run(tmp_path):
+    """Only parameters and their state must be finite: a persistent attention mask holds -inf."""
+    model = {n: torch.zeros(s) for n, s in SHAPES.items()}
+    model["mask"] = torch.full((2, 2), float("-inf")).triu(1)
+    assert _check(_file(tmp_path, model=model)) == ""
