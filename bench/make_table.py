@@ -79,6 +79,7 @@ def table(header: list[str], rows: list[list]) -> list[str]:
 # ---- one renderer per benchmark: data -> markdown lines ----------------------------------------
 def render_throughput(d: dict) -> list[str]:
     sps, ratio, goals = d["samples_per_s"], d["ratio"], d.get("goals", {})
+    ceiling, mpi_floor = d.get("ceiling", {}), d.get("mpi_floor", {})
     rows = []
     for label, g, t, r in (
         ("FSA vs torch DDP (gloo)", "geompi_fsa", "torch_ddp", "fsa_vs_ddp"),
@@ -91,13 +92,26 @@ def render_throughput(d: dict) -> list[str]:
                 num(sps[g], 0),
                 num(sps[t], 0),
                 num(ratio[r]),
+                num(mpi_floor.get(r)),
+                num(ceiling.get(r)),
                 goal or "",
                 meets(ratio[r], goal),
             ]
         )
     out = table(
-        ["comparison", "geompi samples/s", "torch samples/s", "geompi / torch", "goal", "met"], rows
-    )
+        ["comparison", "geompi samples/s", "torch samples/s", "geompi / torch",
+         "plain MPI.Allreduce / torch", "no communication / torch", "goal", "met"],
+        rows,
+    )  # fmt: skip
+    if "local_only" in sps:
+        out += [
+            "",
+            f"The same {d.get('workers')} processes with no communication at all reach "
+            f"{num(sps['local_only'], 0)} samples/s: no geompi / torch ratio can exceed "
+            "no communication / torch on this machine. Plain MPI.Allreduce: the same training "
+            "with its exchanges as MPI.Allreduce calls among the workers, no servers "
+            f"(FSA {num(sps.get('mpi_fsa'), 0)}, HFA {num(sps.get('mpi_hfa'), 0)} samples/s).",
+        ]
     same = d.get("same_training", {})
     hfa = d.get("hfa", {})
     out.append("")
@@ -115,6 +129,13 @@ def render_throughput(d: dict) -> list[str]:
             f"- Same training on both sides: after {same.get('after_steps', '?')} steps the "
             f"parameters differ by at most {num(same.get('fsa_vs_ddp_max_abs_diff'))} (FSA/DDP) "
             f"and {num(same.get('hfa_vs_averager_max_abs_diff'))} (HFA/averager)"
+            + (
+                f", the plain MPI.Allreduce runs from torch's by "
+                f"{num(same['mpi_fsa_vs_ddp_max_abs_diff'])} (FSA) and "
+                f"{num(same.get('mpi_hfa_vs_averager_max_abs_diff'))} (HFA)"
+                if "mpi_fsa_vs_ddp_max_abs_diff" in same
+                else ""
+            )
             + (
                 "; test accuracy after the timed run: "
                 + ", ".join(f"{k} {num(v, 4)}" for k, v in accs.items())
@@ -550,6 +571,7 @@ def render_streaming_wan(d: dict) -> list[str]:
 
 def render_throughput_lm(d: dict) -> list[str]:
     sps, per_rep, goals = d["samples_per_s"], d.get("ratio_per_rep", {}), d.get("goals", {})
+    ceiling = d.get("ceiling", {})
     rows = []
     for name, ratio in d["ratio_median"].items():
         ours, _, theirs = name.partition("_vs_")  # "geompi_fsa_vs_torch_ddp"
@@ -561,15 +583,22 @@ def render_throughput_lm(d: dict) -> list[str]:
                 num(sps.get(theirs)),
                 num(ratio),
                 f"{num(min(reps))} to {num(max(reps))}" if reps else "",
+                num(ceiling.get(name)),
                 goals.get(name, ""),
                 meets(ratio, goals.get(name)),
             ]
         )
     out = table(
         ["comparison", "geompi samples/s", "torch samples/s", "ratio", "over the repeats",
-         "goal", "met"],
+         "ceiling (no communication / torch)", "goal", "met"],
         rows,
     )  # fmt: skip
+    if "local_only" in sps:
+        out += [
+            "",
+            f"Ceiling: the same workers training with no communication at all reach "
+            f"{num(sps['local_only'])} samples/s; no ratio can exceed local_only / torch here.",
+        ]
     out += [
         "",
         f"{d.get('model')}, {d.get('workers')} workers of {d.get('ranks')} ranks, batch "

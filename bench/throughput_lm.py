@@ -10,6 +10,10 @@ source), per-worker batch and step count on both sides, 1 torch thread per proce
   (a) geompi FSA (geompi.DistributedOptimizer, sync="fsa") against torch DDP over gloo;
   (b) geompi HFA (k1=4, k2=2) against local SGD + torch HierarchicalModelAverager.
 
+Beside them, once per repetition, the same loop with no communication (``local_only``: each
+worker trains alone), the most samples/s these workers reach on this machine: no
+``geompi / torch`` ratio can exceed ``local_only / torch`` (``ceiling``).
+
 geompi's servers wait for the next job without spinning while torch runs, and torch's gloo
 group holds the workers only. Each pair runs --reps times, interleaved (the order alternates),
 after one warm-up of every side; both sides are timed the same way (the training loop on worker
@@ -118,6 +122,8 @@ def run(side: str, steps: int) -> tuple[float, dict]:
         )
         dt = loop(model, opt, steps)
         opt.close()
+    elif side == "local_only":
+        dt = loop(model, opt, steps)
     elif side == "torch_ddp":
         net = DistributedDataParallel(model)
         dt = loop(net, opt, steps)
@@ -133,11 +139,13 @@ def max_diff(a: dict, b: dict) -> float:
 
 
 pairs = (("geompi_fsa", "torch_ddp"), ("geompi_hfa", "torch_avg"))
-warm = {side: run(side, args.warmup)[1] for pair in pairs for side in pair}
+warm = {side: run(side, args.warmup)[1] for pair in pairs for side in (*pair, "local_only")}
 same = {f"{g}_vs_{t}": max_diff(warm[g], warm[t]) for g, t in pairs}
 samples = args.steps * args.batch_size * nworkers
 rates: dict[str, list[float]] = {side: [] for pair in pairs for side in pair}
+rates["local_only"] = []
 for rep in range(args.reps):
+    rates["local_only"].append(samples / run("local_only", args.steps)[0])
     for g, t in pairs:
         for side in (g, t) if rep % 2 == 0 else (t, g):
             dt, _ = run(side, args.steps)
@@ -166,6 +174,7 @@ if widx == 0:
         "all_samples_per_s": rates,
         "ratio_median": {k: statistics.median(v) for k, v in ratios.items()},
         "ratio_per_rep": ratios,
+        "ceiling": {f"{g}_vs_{t}": med["local_only"] / med[t] for g, t in pairs},
         "goals": {"geompi_fsa_vs_torch_ddp": ">= 1.0", "geompi_hfa_vs_torch_avg": ">= 1.0"},
         "same_training_after_warmup_max_abs_diff": same,
         "torch": torch.__version__,
@@ -180,5 +189,6 @@ if widx == 0:
             f"{g + '/' + t:<22}{med[g]:>18.1f}{med[t]:>17.1f}"
             f"{statistics.median(r):>10.2f} ({min(r):.2f}-{max(r):.2f})"
         )
+    print(f"local_only (no communication): {med['local_only']:.1f} samples/s")
     print(f"same training after {args.warmup} steps: {same}")
     print(f"wrote {args.out}")
