@@ -42,6 +42,11 @@ from geompi.ps.protocol import (
 )
 from geompi.sync import FSA, HFA, Algorithm, MixedSync, resolve
 
+# Every this many rounds a worker looks through the whole model for a trainable parameter its
+# hooks miss (one added after the DistributedOptimizer was built); walking the modules every
+# round cost a tenth of a small model's round on the worker (cProfile, bench/throughput.py).
+UNHOOKED_SCAN = 64
+
 
 def DistributedOptimizer(  # noqa: N802 - a factory named like the class it returns, as Horovod's
     optimizer: torch.optim.Optimizer,
@@ -357,6 +362,14 @@ class Synchronizer:
             id(m.param): i for i, m in enumerate(m for b in self.buckets for m in b.members)
         }
         self.present_out = torch.zeros(g * len(self.params))
+        # Gradient rounds (FSA, MixedSync), per parameter: (its bucket, its slice of the
+        # bucket's gradients, its column of present_g), views made once for the backward hooks.
+        # HFA exchanges parameters, never gradients (its streaming keys may cut parameters).
+        self.slots = {
+            key: (bucket, bucket.grads[off : off + numel], self.present_g[:, self.layout_pos[key]])
+            for key, (bucket, off, numel) in self.buckets.where.items()
+            if not algo.local_steps
+        }
         self.trainable = [sum(m.param.requires_grad for m in b.members) for b in self.buckets]
         # Who tells the servers of a hyperparameter change: the master worker, and under
         # MixedSync each datacenter's first worker, since each deposit is stepped with its own
@@ -430,6 +443,10 @@ class Synchronizer:
         # only one that sees its forwards and gradients
         self.hooks = [model.register_forward_pre_hook(self._before_forward, with_kwargs=True)]
         self.hooked = {id(p) for p in self.params if p.requires_grad}
+        # the parameters that were frozen when it was built: if one is unfrozen, its gradient
+        # would stay local (checked every round; the whole model every UNHOOKED_SCAN rounds)
+        self.frozen = [(name, p) for name, p in named if not p.requires_grad]
+        self.rounds_begun = 0
         for p in self.params:
             if p.requires_grad:
                 self.hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
@@ -594,8 +611,11 @@ class Synchronizer:
             return float(self.explicit_samples)
         return float(self.samples or 1)
 
-    @torch.no_grad()
     def _on_grad(self, p: torch.Tensor) -> None:
+        if torch.is_grad_enabled():  # backward(create_graph=True): copy outside autograd
+            with torch.no_grad():
+                self._on_grad(p)
+            return
         if not self.in_backward:
             self.in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
@@ -621,9 +641,9 @@ class Synchronizer:
     def _take_grad(self, p: torch.Tensor):
         """Copy ``p``'s gradient, times this worker's weight, into its bucket, and mark it
         present; returns the bucket."""
-        bucket, off, numel = self.buckets.where[id(p)]
-        torch.mul(p.grad.reshape(-1), self.weight, out=bucket.grads[off : off + numel])
-        self.present_g[:, self.layout_pos[id(p)]] = 1.0
+        bucket, slot, present = self.slots[id(p)]
+        torch.mul(p.grad.reshape(-1), self.weight, out=slot)
+        present.fill_(1.0)
         return bucket
 
     def _lost_while_pushing(self, err: Exception) -> None:
@@ -647,7 +667,9 @@ class Synchronizer:
             self._stop(
                 ConfigError("backward after its DistributedOptimizer was closed: build a new one")
             )
-        for name, p in self.model.named_parameters():
+        scan = self.rounds_begun % UNHOOKED_SCAN == 0  # a parameter added since, too
+        self.rounds_begun += 1
+        for name, p in self.model.named_parameters() if scan else self.frozen:
             if p.requires_grad and id(p) not in self.hooked:
                 self._stop(
                     ConfigError(
