@@ -133,6 +133,24 @@ def _is_int(v) -> bool:
 _INDEX_TYPES = (torch.int32, torch.int64)  # what /progress positions and steps are written as
 
 
+def _check_datacenter_steps(bad, steps: list[int], step: int, dc_sizes: list[int]) -> None:
+    """MixedSync: each datacenter is at its own step, the same for all of its workers, and
+    datacenter 0 (the master's) at the checkpoint's. Refuses any other /progress/steps."""
+    per_dc = [size - 1 for size in dc_sizes]  # a datacenter's ranks: its workers + 1 server
+    if sum(per_dc) != len(steps):
+        bad(
+            f"/progress/steps has {len(steps)} workers but the topology attribute's "
+            f"datacenters {dc_sizes} hold {sum(per_dc)}"
+        )
+    first = 0
+    for dc, n in enumerate(per_dc):
+        mine = steps[first : first + n]
+        first += n
+        if len(set(mine)) > 1 or (dc == 0 and mine and mine[0] != step):
+            at = f"the checkpoint's step {step}" if dc == 0 else "one step"
+            bad(f"/progress/steps of datacenter {dc} are {mine}, but its workers are all at {at}")
+
+
 def check_resumable(
     path, ck: ckpt.Checkpoint, cfg, shapes: dict[str, torch.Size], num_workers: int
 ) -> str:
@@ -257,6 +275,8 @@ def check_resumable(
             f"/progress/steps is {steps.tolist()}, but every worker of --sync {cfg.sync} is at "
             f"the checkpoint's step {ck.step}"
         )
+    if steps is not None and cfg.algorithm.independent_dcs:
+        _check_datacenter_steps(bad, steps.tolist(), ck.step, topo["dc_sizes"])
     rng_len = torch.get_rng_state().numel()
     rng = pr.get("rng", {})
     if not isinstance(rng, dict):
@@ -689,6 +709,7 @@ class Checkpointing:
                 "strategy": ck.algorithm.get("strategy", {}),
                 "steps": ck.progress["steps"].tolist() if "steps" in ck.progress else None,
                 "old": ck.attrs["topology"],
+                "path": str(self.resumed_from),
             }
         barrier_before_collective(w.comms.all_workers, w.cfg.comm_timeout, "the master to read it")
         info = w.comms.all_workers.bcast(info, root=0)
@@ -697,7 +718,14 @@ class Checkpointing:
         mine = w.comms.all_workers.scatter(own, root=0)
         same = info["workers"] == w.topo.num_workers
         epoch, position = mine["position"]
-        w.loader.load_state_dict({"epoch": int(epoch), "position": int(position)})
+        err = None
+        try:  # a position beyond this worker's epoch: every worker stops, one line names it
+            w.loader.load_state_dict({"epoch": int(epoch), "position": int(position)})
+        except CheckpointError as e:
+            err = CheckpointError(f"checkpoint {info['path']}: worker {w.widx}'s {e}")
+        from geompi.session import fail_together
+
+        fail_together(w.engine.s, err)
         if mine["rng"] is not None:
             torch.set_rng_state(mine["rng"])
         if mine["local"] and w.local_opt is not None:

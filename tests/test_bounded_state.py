@@ -45,6 +45,9 @@ class _Comm:
         assert len(objs) == 3
         return objs[0]
 
+    def allgather(self, obj):  # the workers' agreement that every position fits
+        return [obj] * 3
+
 
 def test_resume_sends_each_worker_only_its_own_local_optimizer_state():
     topo = Topology.plan(5, 1, None, 1)  # 3 workers, 1 local server, 1 global server
@@ -68,11 +71,16 @@ def test_resume_sends_each_worker_only_its_own_local_optimizer_state():
         cfg=SimpleNamespace(comm_timeout=None),  # no watchdog: no barrier before the bcast
         comms=SimpleNamespace(all_workers=comm),
         loader=SimpleNamespace(load_state_dict=lambda st: None),
-        engine=SimpleNamespace(load_state=lambda st: None, global_syncs=0),
+        engine=SimpleNamespace(
+            load_state=lambda st: None,
+            global_syncs=0,
+            s=SimpleNamespace(comms=SimpleNamespace(all_workers=comm), rank=0, finished=False),
+        ),
         local_opt=object(),
     )
     c = Checkpointing.__new__(Checkpointing)
     c.w, c.loaded, c.restore_note, c.worker_note = w, ck, "", ""
+    c.resumed_from = "ck.h5"
     c._load_local = loaded.append
     c.distribute()
     assert loaded == [big]  # worker 0 got its own state

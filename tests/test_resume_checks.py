@@ -196,3 +196,51 @@ def test_a_buffer_of_minus_inf_is_not_a_diverged_run(tmp_path):
     model = {n: torch.zeros(s) for n, s in SHAPES.items()}
     model["mask"] = torch.full((2, 2), float("-inf")).triu(1)
     assert _check(_file(tmp_path, model=model)) == ""
+
+
+def _mixed(tmp_path, steps, dc_sizes=(3, 3)):
+    """A MixedSync checkpoint at step 4 whose workers are at ``steps`` (datacenter 0 first)."""
+    n = len(steps)
+    return _file(
+        tmp_path,
+        algorithm_name="mixed",
+        progress={
+            "data_positions": torch.tensor([[0, 4]] * n),
+            "steps": torch.tensor(steps),
+            "rng": {f"worker{i}": torch.get_rng_state() for i in range(n)},
+        },
+        topology={
+            "world_size": sum(dc_sizes) + 1,
+            "dc_sizes": list(dc_sizes),
+            "global_servers": 1,
+            "workers": sum(dc_sizes) - len(dc_sizes),
+        },
+    )
+
+
+def test_mixedsync_datacenters_may_be_at_their_own_steps(tmp_path):
+    assert _check(_mixed(tmp_path, [4, 4, 9, 9]), "--sync", "mixed", workers=4) == ""
+
+
+@pytest.mark.parametrize(
+    "steps, expect",
+    [
+        # a datacenter is synchronous inside: its workers cannot be at different steps
+        (
+            [4, 4, 9, 2**62],
+            "datacenter 1 are [9, 4611686018427387904], but its workers are all at one step",
+        ),
+        # datacenter 0 is the master's: the checkpoint's step is its step
+        (
+            [5, 5, 9, 9],
+            "datacenter 0 are [5, 5], but its workers are all at the checkpoint's step 4",
+        ),
+        ([4, 4, 9], "/progress/steps has 3 workers but the topology attribute's datacenters"),
+    ],
+)
+def test_mixedsync_steps_out_of_line_with_the_datacenters_are_refused(tmp_path, steps, expect):
+    """MixedSync's steps used to be checked for type and sign only: a datacenter resumed at any
+    step a file named (2**62 ends its training at once)."""
+    with pytest.raises(CheckpointError) as exc:
+        _check(_mixed(tmp_path, steps), "--sync", "mixed", workers=4)
+    assert expect in one_line(exc), one_line(exc)

@@ -289,6 +289,35 @@ def test_bad_checkpoint_is_refused_on_resume(tmp_path, good_ckpt, damage, words)
     assert verify.returncode == 1
 
 
+def test_a_data_position_beyond_an_epoch_stops_every_rank_in_one_line(tmp_path, good_ckpt):
+    """A file that verifies but puts a worker past its epoch's end (a hand-edited or foreign
+    file): the workers learn it only as they take their positions, after start-up, so they
+    stop together and the master names the file; it used to be that worker's own line, which
+    did not say which file."""
+    ck = ckpt.load(good_ckpt)
+    positions = ck.progress["data_positions"].clone()
+    positions[-1] = torch.tensor([0, 10**6])
+    bad = ckpt.save(
+        tmp_path / "far.h5",
+        model=ck.model,
+        optimizer=ck.optimizer,
+        optimizer_attrs=ck.optimizer_attrs,
+        algorithm=ck.algorithm,
+        progress={**ck.progress, "data_positions": positions},
+        step=ck.step,
+        epoch=ck.epoch,
+        algorithm_name=ck.algorithm_name,
+        topology=ck.attrs["topology"],
+        config=ck.attrs["config"],
+    )
+    res = train(4, "--steps", 6, "--resume", bad, check=False, timeout=60)
+    errs = error_lines(res.stderr)
+    assert res.returncode != 0 and len(errs) == 1 and "Traceback" not in res.stderr, res.stderr
+    worker = len(positions) - 1
+    assert f"checkpoint {bad}: worker {worker}'s loader state epoch=0 position=1000000" in errs[0]
+    assert "resume with the same --batch-size" in errs[0], errs[0]
+
+
 def test_checkpoint_of_another_model_is_refused(tmp_path, good_ckpt):
     res = mpirun(
         4,
