@@ -150,6 +150,15 @@ def test_casts_refuse_nonfinite_in_one_line(spec):
     assert "--wan-compression " + spec in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_topk_refuses_nonfinite_in_one_line(bad):
+    """As every other codec: a NaN would otherwise be the first value top-k keeps, and the
+    receivers would take it into their model without a word."""
+    with pytest.raises(NonFiniteError) as e:
+        TopKCompressor(0.5).compress(torch.tensor([1.0, bad, 0.5, 0.25]))
+    assert "--wan-compression topk:0.5" in str(e.value) and "\n" not in str(e.value)
+
+
 def test_topk_keeps_the_largest_values_exactly():
     x = torch.tensor([0.1, -5.0, 0.2, 3.0, -0.3, 0.0, 1.0, 0.05])
     c = TopKCompressor(0.25)  # k = 2

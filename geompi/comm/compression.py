@@ -117,6 +117,7 @@ class TopKCompressor(Compressor):
         return 8 * self.k(n)
 
     def compress(self, x: torch.Tensor) -> torch.Tensor:
+        _refuse_nonfinite(x, self.name)  # topk would pick a NaN first and send it
         k = self.k(x.numel())
         if k == 0:
             return torch.empty(0, dtype=torch.uint8)
