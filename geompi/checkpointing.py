@@ -27,6 +27,7 @@ import torch
 
 from geompi import ckpt
 from geompi.comm import faults
+from geompi.comm.buffers import all_finite
 from geompi.comm.compression import make_compressor
 from geompi.comm.transport import (
     barrier,
@@ -43,6 +44,7 @@ from geompi.errors import (
 )
 from geompi.ps.protocol import TAG_RESTORE, TAG_SNAPSHOT, Op
 from geompi.runtime import say
+from geompi.session import fail_together
 
 _BACKUP = re.compile(r"^backup_dc(\d+)$")
 
@@ -327,7 +329,7 @@ def _check_tensor(bad, what: str, name: str, t, shapes, scalar: bool = True) -> 
 def _check_finite(bad, what: str, t: torch.Tensor) -> None:
     """NaN or Inf in a parameter or its state: the run would stop at its first non-finite
     gradient, blaming the learning rate, instead of naming the file."""
-    if not bool(torch.isfinite(t).all()):
+    if not all_finite(t):
         bad(
             f"{what} holds NaN or Inf",
             "the run had diverged when it was written, or the file was edited; resume from an "
@@ -723,8 +725,6 @@ class Checkpointing:
             w.loader.load_state_dict({"epoch": int(epoch), "position": int(position)})
         except CheckpointError as e:
             err = CheckpointError(f"checkpoint {info['path']}: worker {w.widx}'s {e}")
-        from geompi.session import fail_together
-
         fail_together(w.engine.s, err)
         if mine["rng"] is not None:
             torch.set_rng_state(mine["rng"])
