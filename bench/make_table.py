@@ -534,7 +534,7 @@ def render_streaming_wan(d: dict) -> list[str]:
                     if "startup_wan_data_bytes" in m
                     else "in the pro rata share",
                     num(m["peak_round_wan_bytes"] / 1e6, 2),
-                    num(m["final_loss_1gbit"], 3),
+                    num(m.get("final_loss", m.get("final_loss_1gbit")), 3),
                 ]
             )
     out = table(
@@ -546,7 +546,7 @@ def render_streaming_wan(d: dict) -> list[str]:
             "WAN data MB to target",
             "of which start-up (INIT) MB",
             "peak WAN MB per round",
-            "final loss (1 Gbit/s run)",
+            "final loss (longest run)",
         ],
         rows,
     )
@@ -635,6 +635,7 @@ RENDERERS = {
     "local_server_scaling": render_local_server_scaling,
     "streaming_wan": render_streaming_wan,
     "streaming_wan_k2_16": render_streaming_wan,
+    "streaming_wan_long": render_streaming_wan,
     "throughput_lm": render_throughput_lm,
 }
 TITLES = {
@@ -653,6 +654,8 @@ TITLES = {
     "local_server_scaling": "The local server's load as a datacenter grows: funnel or scatter",
     "streaming_wan": "Streaming and quantized HFA on two emulated WAN links",
     "streaming_wan_k2_16": "The same with K2 = 16 (bench/streaming_wan.py --k2 16)",
+    "streaming_wan_long": "The same over a long run: K1 = 32, K2 = 32, FSA 1000 steps, "
+    "HFA 3072 (DiLoCo's H = 1024 local steps between global averages)",
     "throughput_lm": "Throughput on the 5M-parameter transformer: geompi against torch",
     "ulfm_exit": "Ending a job after a lost rank: how often mpirun --with-ft ulfm hangs",
 }
@@ -735,8 +738,8 @@ def build(results: pathlib.Path) -> str:
         cmd = script_command(name)
         ran = data.get("command") if isinstance(data.get("command"), str) else None
         lines.append(
-            (f"`{cmd}`" if cmd else f"(no command in bench/{name}.py)")
-            + (f" (this run: `{ran}`)" if ran and ran != cmd else "")
+            (f"`{cmd}`" if cmd else f"`{ran}`" if ran else f"(no command in bench/{name}.py)")
+            + (f" (this run: `{ran}`)" if ran and cmd and ran != cmd else "")
             + f", measured {when}."
         )
         lines.append("")
