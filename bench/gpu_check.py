@@ -41,6 +41,7 @@ if not torch.cuda.is_available():
 
 dev = torch.device("cuda", rank % torch.cuda.device_count())
 torch.cuda.set_device(dev)
+result["gpu"] = f"{torch.cuda.get_device_name(dev)}, torch {torch.__version__}"
 stats = LinkStats()
 modes = {"staged": Staging(force=True)}
 if cuda_aware_mpi():
@@ -72,6 +73,11 @@ common = dict(
     global_servers=1,
     progress_every=1e9,
 )
+# TF32 (on by default for cuDNN's convolutions) rounds to 10 mantissa bits, which alone moves the
+# CNN's weights by about 1e-3 in 20 steps: the comparison is of geompi's path, so in full fp32.
+torch.backends.cudnn.allow_tf32 = False
+torch.backends.cuda.matmul.allow_tf32 = False
+result["tf32"] = False
 models = {}
 for device in ("cuda", "cpu"):
     os.environ["GEOMPI_DEVICE"] = device

@@ -311,13 +311,15 @@ def render_checkpoint(d: dict) -> list[str]:
 def render_gpu_check(d: dict) -> list[str]:
     if d.get("skipped"):
         return [f"Skipped: {d['skipped']} (CUDA-aware MPI: {d.get('cuda_aware_mpi')})."]
-    rows = [["CUDA-aware MPI", str(d.get("cuda_aware_mpi")), ""]]
+    rows = [["CUDA-aware MPI", str(d.get("cuda_aware_mpi")), d.get("gpu", "")]]
     for k, v in d.items():
-        if k.startswith("reduce_bcast") and isinstance(v, dict):
+        if k.startswith(("reduce_bcast", "send_recv")) and isinstance(v, dict):
             rows.append([k, "ok" if v.get("ok") else "**WRONG**", f"{num(v.get('seconds'), 3)} s"])
     for k in ("fsa_20_steps_cuda_s", "fsa_20_steps_cpu_s"):
         if k in d:
             rows.append([k, "", f"{num(d[k])} s"])
+    if "tf32" in d:
+        rows.append(["TF32 in the comparison", "on" if d["tf32"] else "off (full fp32)", ""])
     if "fsa_gpu_matches_cpu" in d:
         rows.append(
             [
@@ -326,7 +328,7 @@ def render_gpu_check(d: dict) -> list[str]:
                 f"max abs diff {num(d.get('fsa_gpu_vs_cpu_max_abs_diff'))}",
             ]
         )
-    return table(["check", "result", "detail"], rows)
+    return table(["check", "result", "detail"], rows) + (["", d["note"]] if d.get("note") else [])
 
 
 def render_wan_time_to_accuracy(d: dict) -> list[str]:
