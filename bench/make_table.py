@@ -328,7 +328,7 @@ def render_gpu_check(d: dict) -> list[str]:
                 f"max abs diff {num(d.get('fsa_gpu_vs_cpu_max_abs_diff'))}",
             ]
         )
-    return table(["check", "result", "detail"], rows) + (["", d["note"]] if d.get("note") else [])
+    return table(["check", "result", "detail"], rows)
 
 
 def render_wan_time_to_accuracy(d: dict) -> list[str]:
@@ -484,8 +484,6 @@ def render_adaptive_wan(d: dict) -> list[str]:
             f"utilisation {num(f['streaming_utilisation_1gbit'], 3)} / "
             f"{num(f['streaming_utilisation_100mbit'], 3)} (1 Gbit/s / 100 Mbit/s)."
         )
-    if d.get("note"):
-        out += ["", d["note"]]
     return out
 
 
@@ -566,8 +564,6 @@ def render_streaming_wan(d: dict) -> list[str]:
             f"Raw MPI floor ({f['what']}): utilisation {num(f['utilisation'], 3)}, "
             f"{num(f['s_per_step'], 3)} s per step.",
         ]
-    if d.get("note"):
-        out += ["", d["note"]]
     return out
 
 
@@ -611,7 +607,7 @@ def render_throughput_lm(d: dict) -> list[str]:
 
 
 def render_generic(d: dict) -> list[str]:
-    skip = {"benchmark", "command"}
+    skip = {"benchmark", "command", "note"}
     rows = [
         [k, num(v)]
         for k, v in d.items()
@@ -751,6 +747,8 @@ def build(results: pathlib.Path) -> str:
             lines.append(f"(unexpected layout, {type(e).__name__}: {e}; all top-level figures:)")
             lines.append("")
             lines += render_generic(data)
+        if isinstance(data.get("note"), str):  # a result's own words on how to read it
+            lines += ["", data["note"]]
         lines.append("")
     if bad:
         lines += ["Unreadable result files: " + ", ".join(bad) + ".", ""]
