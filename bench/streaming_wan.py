@@ -83,7 +83,8 @@ dataset = lm.Windows(data, args.seq)
 most_steps = max(
     args.steps, args.fsa_slow_steps, args.hfa_steps, args.hfa_fast_steps or 0, args.floor_steps or 0
 )
-per_worker = len(dataset) // 4 // args.batch_size  # 4 workers
+DC_SIZES = (3, 3)  # ranks per datacenter: one local server, the rest workers
+per_worker = len(dataset) // sum(n - 1 for n in DC_SIZES) // args.batch_size
 if most_steps > per_worker:
     if MPI.COMM_WORLD.Get_rank() == 0:
         print(
@@ -93,7 +94,7 @@ if most_steps > per_worker:
             file=sys.stderr,
         )
     sys.exit(2)
-geompi.init(dc_sizes=(3, 3), global_servers=1)  # server ranks serve in here
+geompi.init(dc_sizes=DC_SIZES, global_servers=1)  # server ranks serve in here
 widx = geompi.worker_rank()
 LINKS = {"100Mbit": "100Mbit", "1Gbit": "1Gbit"}
 METHODS = {
