@@ -26,12 +26,14 @@ import torch
 from geompi.comm import faults
 from geompi.comm.buckets import Buckets
 from geompi.comm.buffers import all_finite
+from geompi.comm.compression import make_compressor
 from geompi.comm.topology import node_share
 from geompi.comm.transport import LAN, Link, LinkStats, Requests, worker_timeout
 from geompi.config import LAN_REDUCE
 from geompi.errors import ConfigError, GeompiError, NonFiniteError, positive_number
 from geompi.ps.client import PSClient, scatters
 from geompi.ps.protocol import (
+    FLAG_FLUSH,
     FLAG_GLOBAL,
     FLAG_MEAN,
     FLAG_PRESENCE,
@@ -315,6 +317,11 @@ class Synchronizer:
         self.opt, self.model, self.algo, self.s = optimizer, model, algo, session
         self.server_spec = server_spec
         self.wan = wan or {}
+        # a lossy WAN codec: datacenters hold a replica of the global model plus what their
+        # last push left out, so HFA's close() ends on one more, exact, global round
+        from geompi.session import job_wan
+
+        self.lossy_wan = make_compressor(job_wan(session.cfg, {"wan": self.wan}).compression).lossy
         self.stats = stats or LinkStats()  # this job's own counters (see report)
         # The servers' optimizer follows the user's hyperparameters (an lr schedule) where the
         # algorithm allows it. The CLI's are fixed, and may be DCASGD's, which torch lacks.
@@ -404,6 +411,7 @@ class Synchronizer:
         self.hfa_samples = 0
         self.round_samples = 0.0  # the weight of HFA's last average
         self.steps_at_global = 0  # HFA: the step of the last global average
+        self.exact_at = 0  # HFA: the step of the last forced (uncompressed) global average
         # HFA(adaptive=True): which averages go global (geompi.sync.hfa.Cadence)
         self.cadence = None
         if algo.local_steps and algo.adaptive:
@@ -522,6 +530,7 @@ class Synchronizer:
         self.steps = int(state.get("steps", 0))
         self.dc_rounds = int(state.get("dc_rounds", 0))
         self.steps_at_global = self.steps  # HFA's checkpoints are at global averages
+        self.exact_at = self.steps
         self.hfa_samples = int(state.get("samples", 0))
         if self.cadence is not None:  # at a global average: K2 as it was chosen then
             self.cadence.restart(state.get("k2"))
@@ -569,9 +578,7 @@ class Synchronizer:
             hook.remove()
         if self.average_due:
             self._average_now()
-        algo = self.algo
-        if algo.local_steps and not algo.streaming and self.steps != self.steps_at_global:
-            self._average_now(final=True)  # every worker ends with one global model
+        self.end_on_global()
         if self.algo.independent_dcs:  # the datacenters end apart: the model at the end
             reqs = self.client.start(Op.STOP, self.keys(presence=False))
             for b in self.buckets:
@@ -593,6 +600,23 @@ class Synchronizer:
         )
         if self.report is not None and self.cadence is not None:
             self.report.update(k2=self.cadence.k2, k2_changes=self.cadence.changes)
+
+    def end_on_global(self, streaming: bool = False) -> None:
+        """HFA (collective over the workers): every worker ends on the global servers' model,
+        bitwise. One more global average, uncompressed, of what changed since the last one,
+        or under a lossy codec of what compression held back (a datacenter's replica plus its
+        residual is not the servers' model). Nothing if the last global average was already
+        such a round. Streaming ends on its last datacenter round (the CLI forces that one
+        global: ``force_global_average``), unless ``streaming``: then every fragment now."""
+        algo = self.algo
+        if not algo.local_steps or self.steps == self.exact_at:
+            return
+        if algo.streaming and not streaming:
+            return
+        if self.steps != self.steps_at_global or algo.streaming:
+            self._average_now(final=True)
+        elif self.lossy_wan:
+            self._average_now(final=True, flush=True)
 
     # ---- hooks ----------------------------------------------------------------------------
     def _before_forward(self, module, args, kwargs) -> None:
@@ -914,10 +938,12 @@ class Synchronizer:
         worker holds the global model (the CLI's stop under streaming HFA)."""
         self._average_now(final=True)
 
-    def _average_now(self, final: bool = False) -> None:
+    def _average_now(self, final: bool = False, flush: bool = False) -> None:
         """HFA: the datacenter average that the K1-th step made due (every K2-th is global).
         ``final`` (close() between global averages): one global average of every worker,
-        weighted by its samples since the last average, or if none by that average's."""
+        weighted by its samples since the last average, or if none by that average's.
+        ``flush`` (with ``final``, no step since the last global average): it only delivers
+        what a lossy codec held back, with no outer step."""
         algo = self.algo
         self.average_due = False
         uniform = algo.weighting == "uniform"
@@ -928,7 +954,7 @@ class Synchronizer:
         self.global_next = False
         if cadence is None:  # every K2-th is global: the local servers count too
             go_global = forced or (self.dc_rounds + 1) % algo.k2 == 0
-            self._average(weight, forced)
+            self._average(weight, forced, flush=flush)
         else:  # adaptive: the workers choose K2; the local servers' schedule follows it
             go_global = forced or cadence.next_is_global()
             cadence.begin()
@@ -939,6 +965,8 @@ class Synchronizer:
         # after a forced global round the local servers count K2 (and streaming's staggered
         # schedule) from the start again, and so do the workers
         self.dc_rounds = 0 if forced else self.dc_rounds + 1
+        if forced:  # uncompressed both ways: every worker holds the servers' model
+            self.exact_at = self.steps
         if go_global:
             self.steps_at_global = self.steps
             self.global_syncs += 1
@@ -946,11 +974,14 @@ class Synchronizer:
                 self.opt.state.clear()
 
     @torch.no_grad()
-    def _average(self, weight: float, force_global: bool = False, cadence=None) -> None:
+    def _average(
+        self, weight: float, force_global: bool = False, cadence=None, flush: bool = False
+    ) -> None:
         """HFA's datacenter average (every K2-th one global, or every key now with
         ``force_global``) of parameters and float buffers; with adaptive ``cadence``, its
         K2 goes to the local server and the exchange times it measured come back."""
-        flags = (FLAG_GLOBAL if force_global else 0) | self.lan_flags
+        flags = (FLAG_GLOBAL if force_global else 0) | (FLAG_FLUSH if flush else 0)
+        flags |= self.lan_flags
         if self.aux_len:  # the buffers: averaged by the global servers, never outer-stepped
             flags |= FLAG_MEAN
         for b in self.buckets:

@@ -266,6 +266,8 @@ class Worker:
         nothing_new = preempted and self.step == start_step and stopped_at != self.step
         if self.checkpoints and saved_at != self.step and not mixed and not nothing_new:
             self._save_surviving(log, stop)
+        if not mixed:  # HFA: every worker on the global servers' model (a lossy codec's too)
+            self.engine.end_on_global()
         if not mixed and cfg.wan_settings().compression != "none":
             self.ckpt.global_model()  # the model returned is the global one, not a replica
         while True:

@@ -23,6 +23,8 @@ from geompi.comm.transport import (
 )
 from geompi.ps.optim import Piece, ServerOptimizer, outer_step, shard_pieces, spec_from_dict
 from geompi.ps.protocol import (
+    FLAG_EXACT,
+    FLAG_FLUSH,
     FLAG_PRESENCE,
     FLAG_RAW,
     FLAG_SUM,
@@ -199,7 +201,8 @@ class GlobalServer:
         self._present = None
         pos = presence_position(rnd)  # never compressed; read first, it says what to step
         mean = mean_position(rnd)  # buffers: averaged, never stepped or compressed
-        codec_round = self.codec is not None and rnd.op in (Op.GRAD, Op.AVG)
+        exact = self.codec is not None and rnd.op is Op.AVG and bool(rnd.flags & FLAG_EXACT)
+        codec_round = self.codec is not None and rnd.op in (Op.GRAD, Op.AVG) and not exact
         plain = plain_positions(rnd)
         packed = [codec_round and i not in plain for i in range(len(rnd.keys))]
         sizes = [self._slice_len(n) for _, n in rnd.keys]
@@ -257,8 +260,14 @@ class GlobalServer:
             total = row[0] if row else torch.zeros(sizes[i], dtype=torch.float32)
             for other in row[1:]:
                 total.add_(other)
-            if compressed and rnd.op is Op.AVG:  # the pushes were relative to the replica
-                total.add_(self.codec.reference(key, sizes[i]), alpha=weight)
+            if key in self.values and rnd.op is Op.AVG and i not in plain:
+                if compressed:  # the pushes were relative to the replica: add them to the
+                    # servers' own model, not to the replica, so what the last pull left out
+                    # (values - replica) is kept, and sent with a later pull
+                    total.add_(self.values[key], alpha=weight)
+                elif exact:  # whole models, each on top of the replica: the same rule
+                    ahead = self.values[key] - self.codec.reference(key, sizes[i])
+                    total.add_(ahead, alpha=weight)
             if clip and i not in (pos, mean) and key in self.values:
                 held.append((i, key, compressed, total.div_(weight)))  # the global gradient
                 continue
@@ -289,8 +298,8 @@ class GlobalServer:
         if compressed:
             result = self.codec.encode_pull(key, result)
             self._keep.append(result)
-        elif self.codec is not None and rnd.op is Op.INIT:
-            self.codec.set_replica(key, result)
+        elif self.codec is not None and (rnd.op is Op.INIT or rnd.flags & FLAG_EXACT):
+            self.codec.set_replica(key, result)  # both ends hold the values exactly
         for ls in range(self.topo.num_dcs):
             self.link.isend(reqs, result, ls, TAG_RESULT + i)
         reqs.test()
@@ -338,6 +347,9 @@ class GlobalServer:
                 self.optimizer.step(key, value, total, dc, self._presence(key))
             elif weight > 0:  # weight 0: every datacenter skipped a non-finite gradient
                 self.optimizer.step(key, value, total.div_(weight), dc, self._presence(key))
+        elif rnd.op is Op.AVG and rnd.flags & FLAG_FLUSH:  # held-back residuals only
+            self.updates += 1
+            value.copy_(total.div_(weight))
         elif rnd.op is Op.AVG:
             self.updates += 1
             outer_step(value, total.div_(weight), self.outer, self.outer_state.setdefault(key, {}))

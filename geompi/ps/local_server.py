@@ -18,6 +18,7 @@ from geompi.comm.transport import LAN, WAN, Link, LinkStats, Requests, recv_buff
 from geompi.errors import NonFiniteError
 from geompi.ps.fragments import fragment_plan, is_global
 from geompi.ps.protocol import (
+    FLAG_EXACT,
     FLAG_GLOBAL,
     FLAG_MEAN,
     FLAG_RAW,
@@ -84,6 +85,8 @@ class SyncUplink:
     def _compressed(self, i: int | None = None) -> bool:
         """Whether this round's data (key ``i`` of it) travels compressed: not a presence key."""
         if self.codec is None or self.rnd.op not in (Op.GRAD, Op.AVG):
+            return False
+        if self.rnd.flags & FLAG_EXACT:  # a forced global round: whole values both ways
             return False
         return i is None or i not in plain_positions(self.rnd)
 
@@ -177,7 +180,9 @@ class SyncUplink:
                 else:
                     self.link.irecv(reqs, out[lo:hi], gs, TAG_RESULT + i)
                     nbytes += 4 * (hi - lo)
-                    if self.codec is not None and self.rnd.op is Op.INIT:
+                    if self.codec is not None and (
+                        self.rnd.op is Op.INIT or self.rnd.flags & FLAG_EXACT
+                    ):
                         reqs.add_callback(partial(self.codec.set_replica, (key, g), out[lo:hi]))
             if self.wan is not None:
                 reqs.add_callback(partial(self._deliver, burst, nbytes))
@@ -373,6 +378,8 @@ class LocalServer:
         started = None  # when the first key went up
         if due:
             flags = rnd.flags & ~FLAG_SCATTER | (FLAG_GLOBAL if rnd.op is Op.AVG else 0)
+            if forced:  # under a lossy codec: uncompressed, both ends' replicas reset
+                flags |= FLAG_EXACT
             if mean_position(rnd) not in due:  # the buffers' key stays here this round
                 flags &= ~FLAG_MEAN
             if not self._may_skip(rnd):

@@ -61,6 +61,15 @@ FLAG_MEAN = 64
 # themselves: the local server takes in one copy of the model per round, not one per worker. The
 # presence key is excluded (it may travel empty). Local servers strip it before the global tier.
 FLAG_SCATTER = 128
+# AVG, local server -> global tier: a round the workers forced global (FLAG_GLOBAL from them:
+# close(), a checkpoint, force_global_average()). Under a lossy WAN codec it travels uncompressed
+# both ways and resets both ends' replicas, so every worker leaves it on the global servers'
+# model, bitwise, and no datacenter's residual is left behind.
+FLAG_EXACT = 256
+# AVG, from the workers (HFA's close() under a lossy codec, no local step since the last global
+# average): the round only delivers what compression held back; the global servers assign the
+# average without an outer step (an outer momentum would otherwise move the model once more).
+FLAG_FLUSH = 512
 _NOTHING = -1.0  # what a presence buffer holds when an empty message arrived in it
 
 MAX_KEYS = 256

@@ -62,8 +62,10 @@ class TierCodec:
         return self.compressor.payload_nbytes(n)
 
     def set_replica(self, rkey, values: torch.Tensor) -> None:
-        """After an uncompressed (INIT) round: both ends hold exactly ``values``."""
+        """After an uncompressed round (INIT, or a forced global one): both ends hold exactly
+        ``values``, and nothing a push left out is owed any more (it went up whole)."""
         self.replica[rkey] = values.detach().clone()
+        self.kept.pop(rkey, None)
 
     def _replica(self, rkey, n: int) -> torch.Tensor:
         r = self.replica.get(rkey)
