@@ -21,6 +21,7 @@ import pathlib
 import re
 import tempfile
 from collections import defaultdict
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -352,6 +353,23 @@ class Checkpointing:
         self.resumed_from: pathlib.Path | None = None  # master: the file this run resumed
         self.failed_step = -1  # master: the step whose checkpoint could not be written
         self.written: list[pathlib.Path] = []  # master: this run's files, newest first
+
+    @classmethod
+    def for_engine(cls, engine) -> Checkpointing:
+        """The server-held half of checkpointing for the public API's optimizer (snapshots
+        from the global servers, their state re-sliced for a restore): the CLI's own code."""
+        view = SimpleNamespace(
+            comms=engine.s.comms, topo=engine.s.topo, client=engine.client, buckets=engine.buckets
+        )
+        return cls(view)
+
+    def held_state(self) -> dict:
+        """Master worker, after a SAVE round: the global servers' state by parameter name,
+        ``{"model": ..., "optimizer": ..., "algorithm": ...}`` as a checkpoint holds it."""
+        snaps = self._receive_snapshots()
+        model, optimizer, algorithm = self._assemble(snaps)
+        algorithm["global_updates"] = int(snaps[0]["updates"])
+        return {"model": model, "optimizer": optimizer, "algorithm": algorithm}
 
     def load_resume(self, resume: str | None, directory: str | None) -> pathlib.Path | None:
         """Master, at start-up: load what ``--resume`` names and return its path.
@@ -769,20 +787,30 @@ class Checkpointing:
     def server_states(self) -> list[dict] | None:
         """Per global server: its slice of every key's optimizer and outer state."""
         ck = self.loaded
-        if ck is None or not (
-            ck.optimizer
-            or ck.algorithm.get("dcasgd")
-            or ck.algorithm.get("hfa", {}).get("outer_momentum")
-            or ck.algorithm.get("global_updates")
+        if ck is None:
+            return None
+        return self.shard_states(ck.optimizer, ck.algorithm, ck.model)
+
+    def shard_states(
+        self, optimizer: dict, algorithm: dict, model: dict[str, torch.Tensor]
+    ) -> list[dict] | None:
+        """Per global server: its slice of ``optimizer`` (state name -> parameter name ->
+        tensor) and of ``algorithm``'s outer momentum, DCASGD backups and update counter, as
+        a checkpoint holds them; None if there is none of these."""
+        if not (
+            optimizer
+            or algorithm.get("dcasgd")
+            or algorithm.get("hfa", {}).get("outer_momentum")
+            or algorithm.get("global_updates")
         ):
             return None
-        per_state: dict[str, dict[str, torch.Tensor]] = dict(ck.optimizer)
-        if ck.algorithm.get("dcasgd", {}).get("backup"):
+        per_state: dict[str, dict[str, torch.Tensor]] = dict(optimizer)
+        if algorithm.get("dcasgd", {}).get("backup"):
             # Every datacenter restarts from /model (the INIT round), so that is what each one
             # holds: the saved backups predate it. Datacenters new to this topology get it too.
             for dc in range(self.w.topo.num_dcs):
-                per_state[f"backup_dc{dc}"] = ck.model
-        outer = ck.algorithm.get("hfa", {}).get("outer_momentum", {})
+                per_state[f"backup_dc{dc}"] = model
+        outer = algorithm.get("hfa", {}).get("outer_momentum", {})
         topo = self.w.topo
         out = []
         for g in range(topo.num_global_servers):
@@ -802,9 +830,9 @@ class Checkpointing:
                     "state": dict(state),
                     "outer": dict(outer_g),
                     "updates": int(
-                        ck.algorithm.get(
+                        algorithm.get(
                             "global_updates",  # older files: the best guess there is
-                            ck.algorithm.get("strategy", {}).get("global_syncs", 0),
+                            algorithm.get("strategy", {}).get("global_syncs", 0),
                         )
                     ),
                 }
@@ -839,9 +867,10 @@ class Checkpointing:
             flat[m.offset : m.offset + m.numel] = m.values(t)
         return flat
 
-    def send_server_states(self, reqs) -> None:
-        """Master worker, during the INIT round: each global server's slice of the state."""
-        states = self.server_states()
+    def send_server_states(self, reqs, states: list[dict] | None = None) -> None:
+        """Master worker, during the INIT round: each global server's slice of the state
+        (``states``, else the loaded checkpoint's)."""
+        states = self.server_states() if states is None else states
         if states is None:
             return
         w = self.w

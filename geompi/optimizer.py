@@ -260,6 +260,46 @@ class _Distributed:
 
     geompi_close = close  # what geompi.session calls, whatever the optimizer defines
 
+    def state_dict(self) -> dict:
+        """torch's ``state_dict()``, with the state the global servers hold: their optimizer's
+        per-parameter state in torch's own format (FSA's servers placement, MixedSync), HFA's
+        outer momentum under ``"geompi_outer_momentum"`` (parameter index -> tensor). Then
+        collective over the workers, and every worker gets the same dict."""
+        from geompi.state import OUTER_KEY, UPDATES_KEY
+
+        sd = super().state_dict()  # type: ignore[misc]
+        engine = self._geompi
+        if not engine.holds_server_state:
+            return sd
+        held = engine.server_state("state_dict()")
+        names = engine.param_names()
+        if engine.server_side:
+            sd["state"] = {}
+            for state_name, named in held["optimizer"].items():
+                for i, name in enumerate(names):
+                    if name in named:
+                        sd["state"].setdefault(i, {})[state_name] = named[name]
+        outer = held["algorithm"].get("hfa", {}).get("outer_momentum", {})
+        if outer:
+            sd[OUTER_KEY] = {i: outer[n] for i, n in enumerate(names) if n in outer}
+        sd[UPDATES_KEY] = int(held["algorithm"].get("global_updates", 0))
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's ``load_state_dict()``; what the global servers hold (see ``state_dict``) goes
+        to them in an INIT round (collective over the workers; the master's is used, and its
+        parameters reach every worker)."""
+        from geompi.state import split_held
+
+        engine = self._geompi
+        try:
+            held, sd = split_held(engine, state_dict)
+        except GeompiError as e:  # the same on every worker
+            engine._stop(e)
+        super().load_state_dict(sd)  # type: ignore[misc]
+        if held is not None:
+            engine.restore(held, "load_state_dict()")
+
 
 def layout_spec(buckets: Buckets, group_of: dict[int, int] | None = None) -> list:
     """Every key's parameters, ``[[key, [[name, offset, numel(, group)], ...]], ...]``, in the
@@ -617,6 +657,85 @@ class Synchronizer:
             self._average_now(final=True)
         elif self.lossy_wan:
             self._average_now(final=True, flush=True)
+
+    # ---- state the global servers hold (geompi.save/load, state_dict) ---------------------
+    @property
+    def holds_server_state(self) -> bool:
+        """Whether this job's global servers hold optimizer state: their optimizer's (FSA's
+        servers placement, MixedSync) or an outer optimizer's momentum (HFA)."""
+        outer = getattr(self.algo, "outer_optimizer", "sgd") if self.algo.local_steps else "sgd"
+        return self.server_side or outer != "sgd"
+
+    def at_global_model(self) -> bool:
+        """HFA: whether every worker holds the global servers' model now (after a global
+        average that was uncompressed, or under a lossless codec; streaming: a forced one)."""
+        if not self.algo.local_steps or self.steps == self.exact_at:
+            return True
+        return not (self.algo.streaming or self.lossy_wan) and self.steps == self.steps_at_global
+
+    def param_names(self) -> list[str]:
+        """The model's name of each parameter the optimizer holds, in torch's index order."""
+        from geompi.state import param_names
+
+        return param_names(self.model, self.opt)
+
+    def server_state(self, what: str) -> dict:
+        """Collective over the workers: the global servers' state by parameter name, on every
+        worker (``Checkpointing.held_state``'s dict). ``what``: the caller, for errors."""
+        from geompi.checkpointing import Checkpointing
+        from geompi.comm.transport import barrier_before_collective
+
+        self._refuse_closed(what)
+        reqs = self.client.start(Op.SAVE, [])
+        reqs.wait()
+        held = Checkpointing.for_engine(self).held_state() if self.master else None
+        comm = self.s.comms.all_workers
+        barrier_before_collective(comm, self.s.cfg.comm_timeout, "every worker in " + what)
+        return comm.bcast(held, root=0)
+
+    def restore(self, held: dict | None, what: str, new_model: bool = False) -> None:
+        """Collective over the workers: the INIT round (the master's parameters and buffers
+        reach every worker), handing the global servers ``held`` (the master's, by parameter
+        name as :meth:`server_state` gives it) when they keep state. ``new_model``: every
+        worker has just loaded the same model (geompi.load), so HFA's workers are together."""
+        self._refuse_closed(what)
+        if new_model and self.algo.local_steps:
+            self.steps_at_global = self.exact_at = self.steps
+        if self.algo.independent_dcs and self.rounds_begun:
+            self._stop(
+                ConfigError(
+                    f"{what} under MixedSync after training started: the datacenters are "
+                    "asynchronous by then; call it before the first step"
+                )
+            )
+        if self.algo.local_steps and not self.at_global_model():
+            self._stop(
+                ConfigError(
+                    f"{what} under HFA between global averages: the workers hold different "
+                    "models; call opt.force_global_average() before the step, or call it at a "
+                    "multiple of K1*K2 steps"
+                )
+            )
+        send = None
+        if self.master and held is not None and self.holds_server_state:
+            from geompi.checkpointing import Checkpointing
+
+            io = Checkpointing.for_engine(self)
+            states = io.shard_states(
+                held.get("optimizer", {}), held.get("algorithm", {}), held.get("model", {})
+            )
+            if states is not None:
+                send = lambda reqs: io.send_server_states(reqs, states)  # noqa: E731
+        self.init_round({"restore": True} if send is not None else None, send)
+
+    def _refuse_closed(self, what: str) -> None:
+        if self.closed:
+            self._stop(
+                ConfigError(
+                    f"{what} after this DistributedOptimizer was closed: the global servers no "
+                    "longer hold its state; call it before close() (or geompi.finish())"
+                )
+            )
 
     # ---- hooks ----------------------------------------------------------------------------
     def _before_forward(self, module, args, kwargs) -> None:

@@ -21,6 +21,8 @@ from geompi.errors import CheckpointError, ConfigError, GeompiError
 _GROUPS = "param_groups"  # optimizer attribute: the param groups, params as names (JSON)
 _NONE = "none_states"  # optimizer attribute: [param name, state name] whose value was None
 _NUMBERS = "number_states"  # optimizer attribute: [param name, state name, "int"|"float"]
+OUTER_KEY = "geompi_outer_momentum"  # in state_dict(): HFA's outer momentum, by param index
+UPDATES_KEY = "geompi_global_updates"  # in state_dict(): the global servers' update count
 
 
 def save(
@@ -34,14 +36,33 @@ def save(
 ) -> pathlib.Path | None:
     """Write ``model`` (and ``optimizer``) to ``path``. Every worker calls it; the master writes
     and the others wait until the file is complete. Atomic: a crash never leaves a half-written
-    file under ``path``. Returns the path on the master, None elsewhere."""
+    file under ``path``. Returns the path on the master, None elsewhere.
+
+    With a ``DistributedOptimizer`` the file holds everything an exact resume needs: the state
+    the global servers hold (their optimizer's, HFA's outer momentum), and under HFA every
+    worker's own optimizer state; under HFA the workers first meet on the global model (one
+    more global average if they are between two)."""
     from geompi import session
 
     s = session.current() if session._session is not None else None
+    engine = _engine(optimizer, s)
+    err = None
+    try:  # the same on every worker: decided before any collective call
+        _check_carried(optimizer, engine, "save")
+    except GeompiError as e:
+        err = e
+    if s is not None:
+        session.fail_together(s, err)
+    elif err is not None:
+        raise err
+    if engine is not None:
+        engine.end_on_global(streaming=True)  # HFA: every worker on the global model
+    sd = optimizer.state_dict() if optimizer is not None else None  # collective: servers' state
+    local = _gather_local(optimizer, engine, model)
     written, err = None, None
     if s is None or s.rank == 0:
         try:
-            written = _write(path, model, optimizer, step, epoch, metrics, s)
+            written = _write(path, model, optimizer, sd, local, engine, step, epoch, metrics, s)
         except GeompiError as e:
             err = e
     if s is None:
@@ -52,39 +73,85 @@ def save(
     return written
 
 
-def _on_servers(optimizer, verb: str) -> None:
-    """Refuse an optimizer whose state the global servers hold (they step): the workers'
-    copy is empty, so saving or loading it would lose that state without a word."""
+def _engine(optimizer, s):
+    """The open geompi engine ``optimizer`` trains through, else the session's, else None."""
     engine = getattr(optimizer, "_geompi", None)
-    if engine is None or not engine.server_side:
-        return
-    where = "MixedSync" if engine.algo.independent_dcs else 'FSA(optimizer="servers")'
-    raise ConfigError(
-        f"geompi.{verb}(optimizer=...) under {where}: the optimizer state is on the global "
-        f"servers, which geompi.{verb} does not reach; pass optimizer=None (the model only), "
-        "or train with FSA() (the workers step) or the CLI's --checkpoint-dir"
-    )
+    if engine is None and s is not None and s.optimizer is not None:
+        engine = s.optimizer._geompi
+    return None if engine is None or engine.closed else engine
 
 
-def _write(path, model, optimizer, step, epoch, metrics, s) -> pathlib.Path:
-    _on_servers(optimizer, "save")
+def _check_carried(optimizer, engine, verb: str) -> None:
+    """Refuse what a file could not carry, rather than lose it without a word."""
+    mine = getattr(optimizer, "_geompi", None)
+    if mine is not None and mine.closed and mine.holds_server_state:
+        raise ConfigError(
+            f"geompi.{verb}(optimizer=...) after opt.close(): the global servers held its "
+            f"state and have let it go; call geompi.{verb} before close()"
+        )
+    if optimizer is not None and engine is not None and engine.server_side and engine.lossy_wan:
+        raise ConfigError(
+            f"geompi.{verb}(optimizer=...) with a lossy wan_compression where the global "
+            "servers step: the codec's residuals (held by the local servers) are not saved, so "
+            "a resume would not continue this run; pass optimizer=None (the model only), or "
+            "train without compression"
+        )
+
+
+def _gather_local(optimizer, engine, model) -> list[dict] | None:
+    """HFA: every worker's own optimizer state by parameter name, on the master (collective
+    over the workers); None where the workers share one state or elsewhere."""
+    if optimizer is None or engine is None or not engine.algo.local_steps:
+        return None
+    from geompi.comm.transport import barrier_before_collective
+
     names = param_names(model, optimizer)
-    state, attrs = {}, {"name": "none"}
+    mine: dict[str, dict[str, torch.Tensor]] = {}
+    for idx, entries in optimizer.state_dict()["state"].items():  # HFA: local, no collective
+        for key, value in entries.items():
+            if isinstance(value, torch.Tensor):
+                mine.setdefault(key, {})[names[idx]] = value.detach().cpu().clone()
+            elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                mine.setdefault(key, {})[names[idx]] = torch.tensor(value, dtype=torch.float64)
+    comm = engine.s.comms.all_workers
+    barrier_before_collective(comm, engine.s.cfg.comm_timeout, "every worker in geompi.save")
+    return comm.gather(mine, root=0)
+
+
+def _write(path, model, optimizer, sd, local, engine, step, epoch, metrics, s) -> pathlib.Path:
+    names = param_names(model, optimizer)
+    state, attrs, algorithm = {}, {"name": "none"}, {}
     if optimizer is not None:
-        state, attrs = _optimizer_tables(optimizer, names)
-    algorithm, topology = "none", {}
+        sd = dict(sd)
+        outer = sd.pop(OUTER_KEY, None)
+        updates = sd.pop(UPDATES_KEY, None)
+        state, attrs = _optimizer_tables(optimizer, sd, names)
+        if outer:
+            algorithm.setdefault("hfa", {})["outer_momentum"] = {
+                names[int(i)]: t for i, t in outer.items()
+            }
+        if updates is not None:
+            algorithm["global_updates"] = int(updates)
+    if local is not None:
+        algorithm.setdefault("hfa", {})["local"] = {
+            f"worker{i}": st for i, st in enumerate(local) if st
+        }
+    if engine is not None:
+        algorithm["strategy"] = {k: int(v) for k, v in engine.state().items()}
+    topology, name = {}, "none"
     if s is not None:
         topology = s.topo.describe()
-        if s.optimizer is not None:
-            algorithm = s.optimizer._geompi.algo.name
+        if engine is not None:
+            name = engine.algo.name
     return ckpt.save(
         path,
         model=dict(model.state_dict()),
         optimizer=state,
         optimizer_attrs=attrs,
+        algorithm=algorithm,
         step=step,
         epoch=epoch,
-        algorithm_name=algorithm,
+        algorithm_name=name,
         topology=topology,
         config={"saved_by": "geompi.save"},
         metrics=metrics or {},
@@ -98,7 +165,8 @@ def load(
     optimizer: torch.optim.Optimizer | None = None,
 ) -> dict[str, Any]:
     """Restore ``model`` (strictly) and ``optimizer`` from ``path`` on every worker (collective
-    over the workers when geompi runs), then give the servers the restored parameters.
+    over the workers when geompi runs), then give the servers the restored parameters and the
+    state they hold; under HFA each worker gets its own optimizer state back.
 
     Returns ``{"step": ..., "epoch": ..., "metrics": ...}``. A bad file is one error line and
     every rank stops.
@@ -106,12 +174,14 @@ def load(
     from geompi import session
 
     s = session.current() if session._session is not None else None
+    engine = _engine(optimizer, s)
     err: GeompiError | None = None
     info: dict[str, Any] = {}
+    held: dict | None = None
     try:
-        _on_servers(optimizer, "load")
+        _check_carried(optimizer, engine, "load")
         ck = ckpt.load(path)
-        _restore(ck, model, optimizer)
+        held = _restore(ck, model, optimizer, engine, s)
         info = {"step": ck.step, "epoch": ck.epoch, "metrics": ck.attrs.get("metrics", {})}
     except GeompiError as e:
         err = e
@@ -120,12 +190,14 @@ def load(
             raise err
         return info
     session.fail_together(s, err)
-    if s.optimizer is not None:
-        s.optimizer._geompi.init_round()  # the master's restored values reach every rank
+    if engine is not None:  # the master's values (and the servers' state) reach every rank
+        engine.restore(held, "geompi.load", new_model=True)
     return info
 
 
-def _restore(ck: ckpt.Checkpoint, model: torch.nn.Module, optimizer) -> None:
+def _restore(ck: ckpt.Checkpoint, model: torch.nn.Module, optimizer, engine, s) -> dict | None:
+    """This worker's part of a load (no collective call): the model, the optimizer's own
+    state; returns what the global servers are to hold (see ``split_held``)."""
     try:
         model.load_state_dict(ck.model, strict=True)
     except RuntimeError as e:
@@ -134,7 +206,7 @@ def _restore(ck: ckpt.Checkpoint, model: torch.nn.Module, optimizer) -> None:
             f"{ck.path}: does not fit this model ({first}): load a checkpoint of the same model"
         ) from None
     if optimizer is None:
-        return
+        return None
     if ck.optimizer_attrs.get("name") != type(optimizer).__name__.removeprefix("Distributed"):
         raise CheckpointError(
             f"{ck.path}: holds {ck.optimizer_attrs.get('name')!r} optimizer state, but this "
@@ -142,17 +214,85 @@ def _restore(ck: ckpt.Checkpoint, model: torch.nn.Module, optimizer) -> None:
         )
     names = param_names(model, optimizer)
     sd = _torch_state(ck, names)
+    hfa = ck.algorithm.get("hfa", {})
+    local = hfa.get("local", {})
+    if engine is not None and engine.algo.local_steps and local:
+        me = f"worker{s.topo.worker_index(s.rank)}"
+        if len(local) == s.topo.num_workers or me in local:
+            sd["state"] = _indexed(local.get(me, {}), names, ck.path)
+    if hfa.get("outer_momentum"):
+        sd[OUTER_KEY] = _indexed({"m": hfa["outer_momentum"]}, names, ck.path, only="m")
+    if "global_updates" in ck.algorithm:
+        sd[UPDATES_KEY] = int(ck.algorithm["global_updates"])
     for now, saved in zip(optimizer.param_groups, sd["param_groups"]):
         for k, v in saved.items():  # JSON made tuples (Adam's betas) lists: give them back
             if isinstance(now.get(k), tuple) and isinstance(v, list):
                 saved[k] = tuple(v)
+    held = None
+    if engine is not None:
+        held, sd = split_held(engine, sd)
     try:
-        optimizer.load_state_dict(sd)
+        base = getattr(optimizer, "_geompi_base", type(optimizer))
+        base.load_state_dict(optimizer, sd)  # torch's own: what the workers keep
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(
             f"{ck.path}: optimizer state does not fit this optimizer ({e}): "
             "build it with the same param groups"
         ) from None
+    if engine is not None and ck.algorithm.get("strategy"):
+        engine.load_state(ck.algorithm["strategy"])
+    return held
+
+
+def _indexed(tables: dict, names: list[str], path, only: str | None = None) -> dict:
+    """``{state: {param name: tensor}}`` as torch's ``{index: {state: tensor}}`` (``only``: one
+    state's tensors as ``{index: tensor}``)."""
+    index = {n: i for i, n in enumerate(names)}
+    out: dict = {}
+    for key, table in tables.items():
+        for pname, value in table.items():
+            if pname not in index:
+                raise CheckpointError(
+                    f"{path}: optimizer state for {pname}, which this optimizer does not "
+                    "hold: build it on the same parameters"
+                )
+            if only is not None:
+                out[index[pname]] = value
+            else:
+                out.setdefault(index[pname], {})[key] = value
+    return out
+
+
+def split_held(engine, sd: dict) -> tuple[dict | None, dict]:
+    """torch's state dict (with geompi's keys, see ``DistributedOptimizer.state_dict``) cut in
+    two: what the global servers hold, by parameter name, and what the workers keep."""
+    sd = dict(sd)
+    outer = sd.pop(OUTER_KEY, None)
+    updates = sd.pop(UPDATES_KEY, None)
+    if not engine.holds_server_state:
+        if outer:
+            raise ConfigError(
+                "the optimizer state holds an outer optimizer's momentum, but this HFA has "
+                "none: build it with the same outer_optimizer"
+            )
+        return None, sd
+    names = engine.param_names()
+    held: dict = {"optimizer": {}, "algorithm": {}, "model": {}}
+    if engine.server_side:
+        for i, entries in sd.get("state", {}).items():
+            for state_name, value in entries.items():
+                t = torch.as_tensor(value)
+                held["optimizer"].setdefault(state_name, {})[names[int(i)]] = t
+        sd["state"] = {}  # the workers keep none: the servers step
+        if getattr(engine.algo, "dcasgd", False):  # every datacenter restarts from the model
+            held["algorithm"]["dcasgd"] = {"backup": True}
+            held["model"] = {n: p.detach().cpu() for n, p in engine.model.named_parameters()}
+    if outer:
+        outer_named = {names[int(i)]: torch.as_tensor(t) for i, t in outer.items()}
+        held["algorithm"]["hfa"] = {"outer_momentum": outer_named}
+    if updates is not None:
+        held["algorithm"]["global_updates"] = int(updates)
+    return held, sd
 
 
 def param_names(model: torch.nn.Module, optimizer) -> list[str]:
@@ -173,9 +313,9 @@ def param_names(model: torch.nn.Module, optimizer) -> list[str]:
     return names
 
 
-def _optimizer_tables(optimizer, names: list[str]) -> tuple[dict, dict]:
-    """torch's optimizer.state_dict() as /optimizer/<state>/<param> tensors plus JSON attrs."""
-    sd = optimizer.state_dict()
+def _optimizer_tables(optimizer, sd: dict, names: list[str]) -> tuple[dict, dict]:
+    """torch's optimizer.state_dict() (``sd``) as /optimizer/<state>/<param> tensors plus JSON
+    attrs."""
     tables: dict[str, dict[str, torch.Tensor]] = {}
     nones, numbers = [], []
     for idx, entries in sd["state"].items():

@@ -467,7 +467,7 @@ def test_mixedsync_trains_the_users_sgd_and_dcasgd(tmp_path):
         ("bad_unfreeze", "was unfrozen after DistributedOptimizer was built"),
         ("bad_force_global", "force_global_average() is for HFA: under fsa"),
         ("bad_scaler_servers", 'a GradScaler with FSA(optimizer="servers"): the global servers'),
-        ("bad_save_servers", 'geompi.save(optimizer=...) under FSA(optimizer="servers")'),
+        ("bad_save_servers", "geompi.save(optimizer=...) with a lossy wan_compression where"),
     ],
 )
 def test_user_errors_are_one_line_and_stop_every_rank(tmp_path, mode, words):

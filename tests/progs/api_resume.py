@@ -1,0 +1,123 @@
+"""Exact resume through the public API (argv: out dir, mode). Datacenters of 2 and 1 workers,
+2 global servers; each case trains 8 steps in one go, then 4 steps, saves, builds a new model
+and optimizer, loads and trains 4 more; every worker writes both final models.
+
+``resume``: HFA (K1=2, K2=2, inner SGD with momentum, outer Nesterov) and FSA with Adam on the
+global servers through geompi.save/load; the same FSA through torch's own pattern
+(opt.state_dict() / load_state_dict() and the model's); MixedSync's state_dict() holds the
+servers' Adam state; geompi.load between opt.close() and the next DistributedOptimizer.
+``closed``: geompi.load(optimizer=...) of a closed optimizer whose state the servers held.
+"""
+
+import json
+import sys
+
+import torch
+from torch import nn
+
+import geompi
+from tests.progs.api_common import batch, make_model, use_extra
+
+out, mode = sys.argv[1], sys.argv[2]
+geompi.init(dc_sizes=(3, 2), global_servers=2)
+w = geompi.worker_rank()
+loss_fn = nn.CrossEntropyLoss()
+
+
+def steps(model, opt, first: int, last: int) -> None:
+    for t in range(first, last):
+        x, y = batch(w, t)
+        opt.zero_grad()
+        loss_fn(model(x, use_extra(w, t)), y).backward()
+        opt.step()
+
+
+def build(name: str):
+    model = make_model(seed=1 + w)  # different on each worker: INIT gives the master's
+    if name == "hfa":
+        inner = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        sync = geompi.HFA(k1=2, k2=2, outer_optimizer="nesterov", outer_lr=0.7)
+    elif name == "mixed":
+        inner = torch.optim.Adam(model.parameters(), lr=0.01)
+        sync = geompi.MixedSync()
+    else:
+        inner = torch.optim.Adam(model.parameters(), lr=0.01, weight_decay=0.01)
+        sync = geompi.FSA(optimizer="servers")
+    return model, geompi.DistributedOptimizer(inner, model, sync=sync, bucket_mb=0.002)
+
+
+def dump(tag: str, model) -> None:
+    torch.save(model.state_dict(), f"{out}/{tag}-w{w}.pt")
+
+
+def in_one_go(name: str) -> None:
+    model, opt = build(name)
+    steps(model, opt, 0, 8)
+    opt.close()
+    dump(f"{name}-whole", model)
+
+
+def through_files(name: str) -> None:
+    model, opt = build(name)
+    steps(model, opt, 0, 4)
+    geompi.save(f"{out}/{name}.h5", model=model, optimizer=opt, step=4)
+    opt.close()
+    model, opt = build(name)
+    info = geompi.load(f"{out}/{name}.h5", model=model, optimizer=opt)
+    steps(model, opt, info["step"], 8)
+    opt.close()
+    dump(f"{name}-resumed", model)
+
+
+def through_torch(name: str) -> None:
+    """torch's pattern: the state dicts of the model and the optimizer, a new pair, load."""
+    model, opt = build(name)
+    steps(model, opt, 0, 4)
+    held, params = opt.state_dict(), {k: v.clone() for k, v in model.state_dict().items()}
+    opt.close()
+    model, opt = build(name)
+    model.load_state_dict(params)
+    opt.load_state_dict(held)
+    steps(model, opt, 4, 8)
+    opt.close()
+    dump(f"{name}-torch", model)
+    if w == 0:
+        with open(f"{out}/{name}-state.json", "w") as f:
+            json.dump({i: sorted(st) for i, st in held["state"].items()}, f)
+
+
+if mode == "resume":
+    for name in ("hfa", "fsa"):
+        in_one_go(name)
+        through_files(name)
+    through_torch("fsa")
+    # MixedSync: the servers' Adam state in torch's format, loaded before the first step
+    model, opt = build("mixed")
+    steps(model, opt, 0, 3)
+    held = opt.state_dict()
+    opt.close()
+    model, opt = build("mixed")
+    opt.load_state_dict(held)
+    steps(model, opt, 3, 5)
+    opt.close()
+    if w == 0:
+        with open(f"{out}/mixed-state.json", "w") as f:
+            json.dump({i: sorted(st) for i, st in held["state"].items()}, f)
+    # geompi.load after close(), before the next DistributedOptimizer (hung in the closed one)
+    model, opt = build("fsa")
+    steps(model, opt, 0, 2)
+    opt.close()
+    geompi.load(f"{out}/fsa.h5", model=model)
+    model2, opt2 = build("fsa")
+    steps(model2, opt2, 0, 1)
+    opt2.close()
+    dump("after-close", model)
+elif mode == "closed":
+    model, opt = build("fsa")
+    steps(model, opt, 0, 2)
+    geompi.save(f"{out}/closed.h5", model=model, optimizer=opt, step=2)
+    opt.close()
+    geompi.load(f"{out}/closed.h5", model=model, optimizer=opt)
+geompi.finish()
+with open(f"{out}/done-{mode}-w{w}.json", "w") as f:
+    json.dump({"mode": mode}, f)

@@ -1,0 +1,64 @@
+"""Exact resume through the public API (tests/progs/api_resume.py): 4 steps, save, a new model
+and optimizer, load, 4 more steps equals 8 steps in one go, bitwise, where the state that must
+travel is the servers' (HFA's outer Nesterov momentum, FSA's Adam on the global servers) and
+every worker's own (HFA's inner momentum, different on each worker)."""
+
+import json
+
+import pytest
+import torch
+
+from tests.mpirun import mpirun, prog
+
+pytestmark = pytest.mark.mpi
+WORKERS = 3
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("api_resume")
+    res = mpirun(7, ["-m", "mpi4py", prog("api_resume.py"), str(out), "resume"], 300, check=False)
+    assert (out / "done-resume-w0.json").exists(), res.stderr[-3000:]
+    return out
+
+
+def models(out, tag: str) -> list[dict]:
+    return [torch.load(out / f"{tag}-w{w}.pt") for w in range(WORKERS)]
+
+
+@pytest.mark.parametrize(
+    "whole, resumed",
+    [
+        ("hfa-whole", "hfa-resumed"),  # outer momentum and each worker's inner state
+        ("fsa-whole", "fsa-resumed"),  # the global servers' Adam through geompi.save/load
+        ("fsa-whole", "fsa-torch"),  # the same through opt.state_dict()/load_state_dict()
+    ],
+)
+def test_a_resumed_run_equals_the_run_in_one_go(run, whole, resumed):
+    for a, b in zip(models(run, whole), models(run, resumed)):
+        for k in a:
+            assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize("name", ["fsa", "mixed"])
+def test_state_dict_holds_the_servers_adam_state(run, name):
+    """Where the global servers step, torch's state_dict() has their per-parameter state
+    (it was empty: a torch checkpoint then restarted Adam's moments)."""
+    state = json.loads((run / f"{name}-state.json").read_text())
+    assert len(state) >= 6
+    assert all(v == ["exp_avg", "exp_avg_sq", "step"] for v in state.values())
+
+
+def test_load_between_close_and_the_next_optimizer(run):
+    """geompi.load after opt.close() waited forever in the closed optimizer's INIT round."""
+    assert (run / "after-close-w2.pt").exists()
+
+
+def test_loading_a_closed_optimizer_whose_state_the_servers_held_is_refused(tmp_path):
+    res = mpirun(
+        7, ["-m", "mpi4py", prog("api_resume.py"), str(tmp_path), "closed"], 120, check=False
+    )
+    assert res.returncode != 0
+    lines = [ln for ln in res.stderr.splitlines() if "geompi.load(optimizer=...)" in ln]
+    assert len(lines) == 1, res.stderr[-3000:]
+    assert "after opt.close()" in lines[0]
