@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.mpirun import error_lines, mpirun, run
+from tests.mpirun import HOOKS, error_lines, mpirun, run
 
 pytestmark = pytest.mark.mpi
 TRAIN = ["-m", "geompi.train", "--steps", "3", "--progress-every", "1e9"]
@@ -164,7 +164,7 @@ def _assert_one_clear_error(res, words):
 
 def test_nonfinite_gradient_aborts_naming_step_and_ranks():
     res = mpirun(
-        9, TRAIN + ["--steps", "10"], timeout=60, check=False, env={"GEOMPI_FAULT_NAN_AT": "4:3"}
+        9, TRAIN + ["--steps", "10"], timeout=60, check=False, env={**HOOKS, "GEOMPI_FAULT_NAN_AT": "4:3"}
     )  # rank 3 is a worker of datacenter 1
     _assert_one_clear_error(
         res,
@@ -178,7 +178,7 @@ def test_nonfinite_gradient_skip_keeps_training(tmp_path):
         9,
         TRAIN + ["--steps", "10", "--on-nonfinite", "skip", "--metrics", str(metrics)],
         timeout=60,
-        env={"GEOMPI_FAULT_NAN_AT": "4:3"},
+        env={**HOOKS, "GEOMPI_FAULT_NAN_AT": "4:3"},
     )
     summary = [json.loads(x) for x in metrics.read_text().splitlines()][-1]
     assert summary["skipped_nonfinite"] == 1 and summary["steps"] == 10

@@ -510,3 +510,19 @@ def test_on_failure_continue_through_init_checks_the_algorithm_later(
     for algo in (geompi.HFA(fragments=2), geompi.HFA(k2=2, adaptive=True)):
         with pytest.raises(ConfigError, match="not supported together yet"):
             algo.check_survivable()
+
+
+def test_fault_hooks_are_read_only_in_test_mode() -> None:
+    """Issue 35 item 8: GEOMPI_FAULT_KILL_AT and the other test hooks were read in production:
+    a variable left in a job's environment killed one of its ranks."""
+    from geompi.comm.faults import fault_step
+
+    env = {"GEOMPI_FAULT_KILL_AT": "5:0,3", "GEOMPI_FAULT_NAN_AT": "4"}
+    assert fault_step("GEOMPI_FAULT_KILL_AT", 3, env) == -1
+    assert fault_step("GEOMPI_FAULT_NAN_AT", 0, env) == -1
+    for off in ("0", "", "yes"):
+        assert fault_step("GEOMPI_FAULT_KILL_AT", 3, {**env, "GEOMPI_TEST_HOOKS": off}) == -1
+    on = {**env, "GEOMPI_TEST_HOOKS": "1"}
+    assert fault_step("GEOMPI_FAULT_KILL_AT", 3, on) == 5
+    assert fault_step("GEOMPI_FAULT_NAN_AT", 0, on) == 4
+    assert fault_step("GEOMPI_FAULT_KILL_AT", 1, on) == -1
