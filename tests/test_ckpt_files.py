@@ -173,3 +173,18 @@ def test_write_order_is_recorded_in_the_file_and_a_torn_file_is_tried_first(tmp_
     assert ckpt.by_write_order(tmp_path) == [torn, b, a]
     # rotation drops what cannot be read before any good file
     assert ckpt.prune(tmp_path, keep=2) == [torn]
+
+
+def test_a_write_order_that_is_not_an_integer_scalar_makes_the_file_unreadable(tmp_path):
+    import h5py
+    import numpy as np
+
+    from geompi.ckpt import files
+
+    path = ckpt.save(tmp_path / ckpt.checkpoint_name(5), model={"w": torch.zeros(2)}, step=5)
+    with h5py.File(path, "r+") as f:
+        f.attrs["sequence"] = np.arange(3)
+    assert files.recorded_order(path) is None
+    with h5py.File(path, "r+") as f:
+        del f.attrs["sequence"]  # a file written before geompi recorded it: step alone
+    assert files.recorded_order(path) == (0, 5)

@@ -58,15 +58,24 @@ def recorded_order(path: str | os.PathLike) -> tuple[int, int] | None:
         if not h5py.is_hdf5(path):
             return None
         with h5py.File(path, "r", **_LOCKING) as f:
-            values = [f.attrs.get(key, 0) for key in ("sequence", "step")]
+            values = [_scalar_int(f, key) for key in ("sequence", "step")]
     except Exception:  # noqa: BLE001 - any damage: the file's order is unknown
         return None
-    out = []
-    for v in values:
-        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v < 0:
-            return None
-        out.append(int(v))
-    return out[0], out[1]
+    if values[0] is None or values[1] is None:
+        return None
+    return values[0], values[1]
+
+
+def _scalar_int(f, key: str) -> int | None:
+    """Root attribute `key` if it is a non-negative integer scalar, 0 if absent, else None;
+    its type and shape are checked before anything is read (the file is not trusted)."""
+    if key not in f.attrs:
+        return 0
+    aid = f.attrs.get_id(key)
+    if aid.shape != () or aid.dtype.kind not in "iu":
+        return None
+    v = int(f.attrs[key])
+    return v if v >= 0 else None
 
 
 def next_sequence(directory: str | os.PathLike) -> int:
