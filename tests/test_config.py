@@ -606,3 +606,23 @@ def test_fault_hooks_are_read_only_in_test_mode() -> None:
     assert fault_step("GEOMPI_FAULT_KILL_AT", 3, on) == 5
     assert fault_step("GEOMPI_FAULT_NAN_AT", 0, on) == 4
     assert fault_step("GEOMPI_FAULT_KILL_AT", 1, on) == -1
+
+
+def test_epochs_that_come_to_more_steps_than_the_bound_are_refused() -> None:
+    """--epochs within its own bound can still make over MAX_STEPS steps of a large dataset."""
+    from types import SimpleNamespace
+
+    from geompi.train import Worker
+
+    def worker(epochs: float) -> SimpleNamespace:
+        loader = SimpleNamespace(steps_per_epoch=10**4)
+        return SimpleNamespace(
+            cfg=cfg("--epochs", str(epochs)).validate(),
+            loader=loader,
+            algo=SimpleNamespace(period=lambda: 1),
+        )
+
+    assert Worker._total_steps(worker(1e5)) == 10**9
+    with pytest.raises(ConfigError) as exc:
+        Worker._total_steps(worker(1e6))
+    assert one_line(exc).startswith("--epochs 1e+06 is 10000000000 steps of 10000 per epoch")
