@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.sync == "hfa":
         common += ["--k1", "8", "--k2", "4"]
     common += ["--batch-size", str(BATCH), "--eval-every", "0"]
-    kill_env = {"GEOMPI_FAULT_KILL_AT": f"{kill}:{LOST_LS}"}
+    kill_env = {"GEOMPI_TEST_HOOKS": "1", "GEOMPI_FAULT_KILL_AT": f"{kill}:{LOST_LS}"}
     goodput: dict[str, list[float]] = {"continue": [], "restart": []}
     walls: dict[str, list[float]] = {k: [] for k in ("continue", "restart", "ulfm", "plain")}
     train_walls: dict[str, list[float]] = {"ulfm": [], "plain": []}  # the loop, no start-up

@@ -14,6 +14,7 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
+from numbers import Integral
 
 from geompi.errors import ConfigError
 from geompi.factory import check_spec, is_spec
@@ -25,6 +26,27 @@ LAN_REDUCE = ("auto", "funnel", "scatter")
 
 SYNCS = ("fsa", "mixed", "hfa")  # --sync's choices: geompi.sync.REGISTRY's names
 ON_NONFINITE = ("abort", "skip")
+
+# Bounds past which a setting is a typo, not a run: refused in one line before anything starts
+# (beyond them a value overflowed into a traceback, a crash, or a run of 4.6e18 steps).
+MAX_STEPS = 10**9  # --steps, --k1, --k2 and K1*K2, and the steps --epochs comes to
+MAX_EPOCHS = 1e6
+MAX_LR = 1e4  # --lr, --outer-lr
+MAX_SEED = 2**64 - 1  # torch's generators take 64 bits
+MIN_COMM_TIMEOUT = 1.0  # seconds; below it every healthy peer looks lost
+
+# Flags that only one --sync reads: given explicitly on the command line under another, they
+# would be ignored without a word (streaming and --adaptive-sync flags are checked apart).
+ONLY_FOR = {
+    "k1": "hfa",
+    "k2": "hfa",
+    "hfa_weighting": "hfa",
+    "hfa_reset_optimizer": "hfa",
+    "outer_optimizer": "hfa",
+    "outer_lr": "hfa",
+    "hfa_mix": "hfa",
+    "max_staleness": "mixed",
+}
 
 
 @dataclass
@@ -175,8 +197,13 @@ class RunConfig:
         _positive_int(self, "k2", "--k2")
         if self.lr is not None and not (math.isfinite(self.lr) and self.lr > 0):
             raise ConfigError(f"--lr {self.lr}: the learning rate must be a finite number > 0")
+        if self.lr is not None and self.lr > MAX_LR:
+            raise ConfigError(f"--lr {self.lr:g}: the learning rate must be at most {MAX_LR:g}")
         if not (math.isfinite(self.outer_lr) and self.outer_lr > 0):
             raise ConfigError(f"--outer-lr {self.outer_lr}: must be a finite number > 0")
+        if self.outer_lr > MAX_LR:
+            raise ConfigError(f"--outer-lr {self.outer_lr:g}: must be at most {MAX_LR:g}")
+        self._check_bounds()
         if self.sync == "hfa":  # its flags: the other algorithms take none of them
             from geompi.sync.hfa import check_streaming
 
@@ -254,8 +281,58 @@ class RunConfig:
                 f"--tensorboard {self.tensorboard} needs the tensorboard package: "
                 "pip install tensorboard (or 'geompi[tensorboard]')"
             )
+        if self.nesterov and self.optimizer == "sgd" and self.effective_momentum == 0:
+            raise ConfigError(
+                "--nesterov with --momentum 0: Nesterov momentum needs a momentum > 0; drop "
+                "--nesterov or pass --momentum 0.9"
+            )
         self.wan_settings()
+        self._check_algorithm_flags()
         return self
+
+    def _check_bounds(self) -> None:
+        """Counts and sizes that would overflow, or run for ever, refused with their flag."""
+        seed = self.seed
+        if isinstance(seed, bool) or not isinstance(seed, Integral) or not 0 <= seed <= MAX_SEED:
+            src = self.sources.get("seed", "--seed")
+            raise ConfigError(f"{src} {seed!r}: must be a whole number from 0 to 2**64-1")
+        for name in ("steps", "k1", "k2"):
+            v = getattr(self, name)
+            if isinstance(v, int) and v > MAX_STEPS:
+                src = self.sources.get(name, "--" + name)
+                raise ConfigError(f"{src} {v}: must be at most {MAX_STEPS:.0e} steps")
+        if self.sync == "hfa" and self.k1 * self.k2 > MAX_STEPS:
+            raise ConfigError(
+                f"--k1 {self.k1} x --k2 {self.k2} = {self.k1 * self.k2} steps between global "
+                f"averages: must be at most {MAX_STEPS:.0e}"
+            )
+        if self.epochs is not None and self.epochs > MAX_EPOCHS:
+            raise ConfigError(f"--epochs {self.epochs:g}: must be at most {MAX_EPOCHS:g}")
+        t = self.comm_timeout
+        if t is not None and math.isfinite(t) and 0 < t < MIN_COMM_TIMEOUT:
+            raise ConfigError(
+                f"--comm-timeout {t:g}: at least {MIN_COMM_TIMEOUT:g} s (seconds, not "
+                "milliseconds): under it every healthy peer would be taken for lost"
+            )
+
+    def _check_algorithm_flags(self) -> None:
+        """Flags given on the command line that the chosen --sync does not read."""
+        for name, sync in ONLY_FOR.items():
+            src = self.sources.get(name, "")
+            if src.startswith("--") and self.sync != sync:
+                raise ConfigError(
+                    f"{src} is for --sync {sync}, not --sync {self.sync}: drop {src} or pass "
+                    f"--sync {sync}"
+                )
+
+    def check_topology(self, num_dcs: int) -> None:
+        """The settings that name datacenters, against the topology's ``num_dcs``."""
+        bad = sorted(dc for dc in self.dc_slowdown if not 0 <= dc < num_dcs)
+        if bad:
+            raise ConfigError(
+                f"--dc-slowdown {bad[0]}:{self.dc_slowdown[bad[0]]:g}: there is no datacenter "
+                f"{bad[0]}; this job has {num_dcs}, numbered 0 to {num_dcs - 1}"
+            )
 
     def _check_on_failure(self) -> None:
         """``--on-failure continue``: under a ULFM launch, without the settings whose state a
@@ -634,6 +711,11 @@ _ENV_STR = (
     "sync", "wan_bandwidth", "wan_latency", "lan_bandwidth", "wan_compression", "lan_reduce",
 )  # fmt: skip
 _GEOMX = {"k1": "MXNET_KVSTORE_HFA_K1", "k2": "MXNET_KVSTORE_HFA_K2"}
+# Variables that look like settings but are not (the README lists those that are): refused,
+# so a run does not go ahead without the setting its user believes is on.
+_NOT_READ = {
+    "GEOMPI_MAX_STALENESS": "pass --max-staleness N (or geompi.init(max_staleness=N))",
+}
 
 
 def _env_int(env: Mapping[str, str], var: str) -> int:
@@ -648,6 +730,9 @@ def from_env(env: Mapping[str, str] | None = None) -> dict:
     env = os.environ if env is None else env
     out: dict = {}
     sources: dict[str, str] = {}
+    for var, use in _NOT_READ.items():
+        if env.get(var, "").strip():
+            raise ConfigError(f"{var} is not read by geompi: unset it and {use}")
     for name, var in _ENV.items():
         if env.get(var, "").strip() == "":
             continue

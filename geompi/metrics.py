@@ -4,11 +4,22 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import time
 from typing import IO, Any
 
 from geompi.errors import ConfigError
 from geompi.runtime import say
+
+
+def _open(path: str) -> IO[str]:
+    """``path`` opened for appending; a ConfigError naming --metrics if it cannot be."""
+    if os.path.isdir(path):
+        raise ConfigError(f"--metrics {path} is a directory: give a file, e.g. {path}/m.jsonl")
+    try:
+        return open(path, "a")  # noqa: SIM115 - closed by MetricsLog.close
+    except OSError as e:
+        raise ConfigError(f"--metrics {path}: cannot open it ({e.strerror or e})") from None
 
 
 class MetricsLog:
@@ -22,7 +33,7 @@ class MetricsLog:
     def __init__(self, path: str | None, tensorboard: str | None = None) -> None:
         self.records = 0
         self.path = path
-        self._f: IO[str] | None = open(path, "a") if path else None  # noqa: SIM115
+        self._f: IO[str] | None = _open(path) if path else None
         self._t0 = time.time()
         self._tb: Any = _summary_writer(tensorboard) if tensorboard else None
 

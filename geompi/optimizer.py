@@ -1023,7 +1023,8 @@ class Synchronizer:
             return False
         self._stop(
             NonFiniteError(
-                f"non-finite global gradient at step {self.steps + 1}: lower the lr, check the "
+                # FSA (the only caller): one round a step, this one counted
+                f"non-finite global gradient at step {self.global_syncs}: lower the lr, check the "
                 "data, use a torch.amp.GradScaler, or pass on_nonfinite='skip' to geompi.init"
             )
         )

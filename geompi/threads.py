@@ -17,6 +17,9 @@ from collections.abc import Mapping, Sequence
 from geompi.errors import ConfigError
 
 OVERRIDES = ("GEOMPI_THREADS", "OMP_NUM_THREADS")
+# torch starts every thread it is told to: a typo such as GEOMPI_THREADS=99999999 crashed the
+# rank (SIGSEGV) when the threads could not be made. More per rank than this is never meant.
+MAX_THREADS = 1024
 
 
 def affinity() -> frozenset[int]:
@@ -37,6 +40,11 @@ def override(env: Mapping[str, str]) -> tuple[int, str] | None:
         head = value.split(",")[0].strip()
         if not head.isdigit() or int(head) < 1:
             raise ConfigError(f"{var}={value!r}: must be a whole number >= 1")
+        if int(head) > MAX_THREADS:
+            raise ConfigError(
+                f"{var}={value!r}: at most {MAX_THREADS} threads per rank (this node has "
+                f"{os.cpu_count() or 1} CPUs)"
+            )
         return int(head), var
     return None
 

@@ -27,7 +27,7 @@ from geompi import sync
 from geompi.comm import faults, heartbeat
 from geompi.comm.topology import Role, Topology, dc_sizes_from_hosts, node_share
 from geompi.comm.transport import LAN, LinkStats, barrier, live_timeout, worker_timeout
-from geompi.config import RunConfig, make_config
+from geompi.config import MAX_STEPS, RunConfig, make_config
 from geompi.errors import ConfigError, GeompiError
 from geompi.layout import check_node_gpus
 from geompi.metrics import MetricsLog
@@ -63,7 +63,9 @@ def plan_topology(cfg: RunConfig, comm) -> Topology:
         sizes = tuple(dc_sizes_from_hosts(hosts, cfg.global_servers or 1))
         if cfg.dc_sizes is not None or cfg.dcs is not None:
             raise ConfigError("--dc-map nodes derives the datacenters: drop --dcs/--dc-sizes")
-    return Topology.plan(comm.Get_size(), cfg.dcs, sizes, cfg.global_servers)
+    topo = Topology.plan(comm.Get_size(), cfg.dcs, sizes, cfg.global_servers)
+    cfg.check_topology(topo.num_dcs)
+    return topo
 
 
 class Worker:
@@ -127,6 +129,11 @@ class Worker:
             steps = cfg.steps
         else:
             steps = max(1, math.ceil((cfg.epochs or 30) * self.loader.steps_per_epoch))
+            if steps > MAX_STEPS:
+                raise ConfigError(
+                    f"--epochs {cfg.epochs:g} is {steps} steps of {self.loader.steps_per_epoch} "
+                    f"per epoch: at most {MAX_STEPS:.0e}; pass fewer --epochs"
+                )
         period = self.algo.period()  # whole global rounds: training ends on the global model
         return math.ceil(steps / period) * period
 

@@ -129,6 +129,8 @@ def mpirun(
 # MPI fault tolerance (ULFM) as --on-failure continue needs it: no shared-memory transport
 ULFM = ("--with-ft", "ulfm")
 ULFM_ENV = {"OMPI_MCA_btl": "self,tcp"}
+# geompi reads its GEOMPI_FAULT_* test hooks only with this switch (geompi.comm.faults)
+HOOKS = {"GEOMPI_TEST_HOOKS": "1"}
 
 
 def prog(name: str) -> str:

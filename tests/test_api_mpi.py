@@ -468,6 +468,8 @@ def test_mixedsync_trains_the_users_sgd_and_dcasgd(tmp_path):
         ("bad_force_global", "force_global_average() is for HFA: under fsa"),
         ("bad_scaler_servers", 'a GradScaler with FSA(optimizer="servers"): the global servers'),
         ("bad_save_servers", "geompi.save(optimizer=...) with a lossy wan_compression where"),
+        # issue 35 item 9: the API's FSA step counter stood at 0, so this said "at step 1"
+        ("nan_at_4th_step", "non-finite global gradient at step 4:"),
     ],
 )
 def test_user_errors_are_one_line_and_stop_every_rank(tmp_path, mode, words):

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.mpirun import error_lines, mpirun, run
+from tests.mpirun import HOOKS, error_lines, mpirun, run
 
 pytestmark = pytest.mark.mpi
 TRAIN = ["-m", "geompi.train", "--steps", "3", "--progress-every", "1e9"]
@@ -79,6 +79,32 @@ CASES = {
         {},
         ["not a directory", "--data-dir"],
     ),
+    # issue 35 item 8: tracebacks, a crash, or silence before
+    "seed-beyond-64-bits": (4, ["--seed", str(2**64)], {}, ["--seed 18446744073709551616"]),
+    "lr-1e308": (4, ["--lr", "1e308"], {}, ["--lr 1e+308", "at most"]),
+    "wan-bandwidth-1e-300": (4, ["--wan-bandwidth", "1e-300bit"], {}, ["--wan-bandwidth"]),
+    "wan-latency-1e12": (4, ["--wan-latency", "1e12s"], {}, ["--wan-latency '1e12s'"]),
+    "hfa-fragments-1e6": (
+        4,
+        ["--sync", "hfa", "--k2", "2", "--hfa-fragments", "1000000"],
+        {},
+        ["--hfa-fragments 1000000: at most 64"],
+    ),
+    "k1-2**62": (4, ["--sync", "hfa", "--k1", str(2**62)], {}, ["--k1 4611686018427387904"]),
+    "k1-under-fsa": (4, ["--k1", "4"], {}, ["--k1 is for --sync hfa, not --sync fsa"]),
+    "max-staleness-under-fsa": (4, ["--max-staleness", "2"], {}, ["--max-staleness is for"]),
+    "nesterov-momentum-0": (4, ["--nesterov", "--momentum", "0"], {}, ["--nesterov with"]),
+    "comm-timeout-1e-9": (4, ["--comm-timeout", "1e-9"], {}, ["--comm-timeout 1e-09: at least"]),
+    "max-staleness-env": (4, [], {"GEOMPI_MAX_STALENESS": "3"}, ["GEOMPI_MAX_STALENESS"]),
+    # these need the job: its datacenters, rank 0's metrics file, each rank's threads
+    "dc-slowdown-of-missing-dc": (
+        4,
+        ["--dc-slowdown", "5:2"],
+        {},
+        ["--dc-slowdown 5:2: there is no datacenter 5"],
+    ),
+    "metrics-is-a-directory": (4, ["--metrics", "/"], {}, ["--metrics / is a directory"]),
+    "threads-99999999": (4, [], {"GEOMPI_THREADS": "99999999"}, ["GEOMPI_THREADS='99999999'"]),
 }
 
 
@@ -101,6 +127,17 @@ CONFIG_ONLY = {
     "wan-bandwidth-without-unit",
     "wan-compression-env",
     "checkpoint-every-no-dir",
+    "seed-beyond-64-bits",
+    "lr-1e308",
+    "wan-bandwidth-1e-300",
+    "wan-latency-1e12",
+    "hfa-fragments-1e6",
+    "k1-2**62",
+    "k1-under-fsa",
+    "max-staleness-under-fsa",
+    "nesterov-momentum-0",
+    "comm-timeout-1e-9",
+    "max-staleness-env",
 }
 UNDER_MPIRUN = sorted(set(CASES) - CONFIG_ONLY)  # unknown-sync, unknown-flag, k1-env-zero, ...
 
@@ -164,7 +201,11 @@ def _assert_one_clear_error(res, words):
 
 def test_nonfinite_gradient_aborts_naming_step_and_ranks():
     res = mpirun(
-        9, TRAIN + ["--steps", "10"], timeout=60, check=False, env={"GEOMPI_FAULT_NAN_AT": "4:3"}
+        9,
+        TRAIN + ["--steps", "10"],
+        timeout=60,
+        check=False,
+        env={**HOOKS, "GEOMPI_FAULT_NAN_AT": "4:3"},
     )  # rank 3 is a worker of datacenter 1
     _assert_one_clear_error(
         res,
@@ -178,7 +219,7 @@ def test_nonfinite_gradient_skip_keeps_training(tmp_path):
         9,
         TRAIN + ["--steps", "10", "--on-nonfinite", "skip", "--metrics", str(metrics)],
         timeout=60,
-        env={"GEOMPI_FAULT_NAN_AT": "4:3"},
+        env={**HOOKS, "GEOMPI_FAULT_NAN_AT": "4:3"},
     )
     summary = [json.loads(x) for x in metrics.read_text().splitlines()][-1]
     assert summary["skipped_nonfinite"] == 1 and summary["steps"] == 10

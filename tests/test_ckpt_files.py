@@ -133,3 +133,58 @@ def test_stale_temporaries_of_killed_writers_are_removed(tmp_path):
     day_old = time.time() - files.STALE_TEMP_S - 60
     os.utime(other, (day_old, day_old))
     assert files.remove_stale_temps(tmp_path) == [other]
+
+
+def test_latest_and_rotation_go_by_recorded_write_order_not_file_times(tmp_path):
+    """Issue 35 item 4: an older checkpoint dated ahead (clock skew on a shared filesystem, a
+    restore, a copy in another order) was taken for the newest: --resume latest went back to
+    step 10 and the rotation deleted steps 20 and 30."""
+    names = {s: tmp_path / ckpt.checkpoint_name(s) for s in (10, 20, 30, 40)}
+    for step, path in names.items():
+        ckpt.save(path, model={"w": torch.full((2,), float(step))}, step=step)
+    ahead = time.time() + 86400
+    os.utime(names[10], (ahead, ahead))  # the oldest, dated a day ahead
+    os.utime(names[40], (0, 0))  # the newest, dated 1970
+    assert ckpt.latest(tmp_path) == names[40]
+    assert ckpt.by_write_order(tmp_path) == [names[s] for s in (40, 30, 20, 10)]
+    deleted = ckpt.prune(tmp_path, keep=3)
+    assert deleted == [names[10]]
+    assert ckpt.list_checkpoints(tmp_path) == [names[s] for s in (20, 30, 40)]
+    # a resume from 40 writes 50: lineage and recorded order agree, whatever the dates
+    new = tmp_path / ckpt.checkpoint_name(50)
+    ckpt.save(new, model={"w": torch.zeros(2)}, step=50)
+    os.utime(new, (1, 1))
+    assert ckpt.prune(tmp_path, keep=2, lineage=[new, names[40]]) == [names[20], names[30]]
+    assert ckpt.latest(tmp_path) == new
+
+
+def test_write_order_is_recorded_in_the_file_and_a_torn_file_is_tried_first(tmp_path):
+    from geompi.ckpt import files
+
+    a, b = tmp_path / ckpt.checkpoint_name(30), tmp_path / ckpt.checkpoint_name(20)
+    ckpt.save(a, model={"w": torch.zeros(2)}, step=30)
+    ckpt.save(b, model={"w": torch.zeros(2)}, step=20)  # after a resume from an older one
+    assert files.recorded_order(a) == (1, 30) and files.recorded_order(b) == (2, 20)
+    assert ckpt.load(b).attrs["sequence"] == 2 and ckpt.verify(b) == []
+    torn = tmp_path / ckpt.checkpoint_name(10)
+    torn.write_bytes(a.read_bytes()[:100])
+    assert files.recorded_order(torn) is None
+    # --resume latest tries (and names) the unreadable file first, then the newest write
+    assert ckpt.by_write_order(tmp_path) == [torn, b, a]
+    # rotation drops what cannot be read before any good file
+    assert ckpt.prune(tmp_path, keep=2) == [torn]
+
+
+def test_a_write_order_that_is_not_an_integer_scalar_makes_the_file_unreadable(tmp_path):
+    import h5py
+    import numpy as np
+
+    from geompi.ckpt import files
+
+    path = ckpt.save(tmp_path / ckpt.checkpoint_name(5), model={"w": torch.zeros(2)}, step=5)
+    with h5py.File(path, "r+") as f:
+        f.attrs["sequence"] = np.arange(3)
+    assert files.recorded_order(path) is None
+    with h5py.File(path, "r+") as f:
+        del f.attrs["sequence"]  # a file written before geompi recorded it: step alone
+    assert files.recorded_order(path) == (0, 5)

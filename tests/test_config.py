@@ -317,8 +317,14 @@ def test_validate_errors(argv: list[str], needle: str) -> None:
 @pytest.mark.parametrize(
     "argv",
     [
-        ["--k1", "1", "--k2", "1"],
+        ["--sync", "hfa", "--k1", "1", "--k2", "1"],
         ["--lr", "1e-4"],
+        ["--lr", "1e4", "--seed", str(2**64 - 1), "--steps", str(10**9)],
+        ["--epochs", "1e6", "--comm-timeout", "1"],
+        ["--sync", "hfa", "--k1", "1000", "--k2", str(10**6)],
+        ["--sync", "mixed", "--max-staleness", "3"],
+        ["--nesterov", "--momentum", "0.5"],
+        ["--nesterov"],  # the default momentum is 0.9
         ["--steps", "1"],
         ["--epochs", "0.5"],
         ["--checkpoint-every", "5", "--checkpoint-dir", "d"],
@@ -510,3 +516,113 @@ def test_on_failure_continue_through_init_checks_the_algorithm_later(
     for algo in (geompi.HFA(fragments=2), geompi.HFA(k2=2, adaptive=True)):
         with pytest.raises(ConfigError, match="not supported together yet"):
             algo.check_survivable()
+
+
+# --- issue 35 item 8: absurd values and flags that do not apply, one line each ------------------
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--seed", str(2**64)], "--seed 18446744073709551616: must be a whole number from 0"),
+        (["--seed=-1"], "--seed -1"),
+        (["--epochs", "1e308"], "--epochs 1e+308: must be at most"),
+        (["--lr", "1e308"], "--lr 1e+308: the learning rate must be at most"),
+        (["--sync", "hfa", "--outer-lr", "1e300"], "--outer-lr 1e+300: must be at most"),
+        (["--wan-bandwidth", "1e-300bit"], "--wan-bandwidth '1e-300bit': emulate a rate from"),
+        (["--lan-bandwidth", "1e400Gbit"], "--lan-bandwidth '1e400Gbit': emulate a rate from"),
+        (["--wan-latency", "1e12s"], "--wan-latency '1e12s': emulate at most 60s"),
+        (["--sync", "hfa", "--hfa-fragments", "1000000"], "--hfa-fragments 1000000: at most 64"),
+        (["--sync", "hfa", "--k1", str(2**62)], "--k1 4611686018427387904: must be at most"),
+        (["--sync", "hfa", "--k2", str(2**40)], "--k2 1099511627776: must be at most"),
+        (["--sync", "hfa", "--k1", "100000", "--k2", "100000"], "--k1 100000 x --k2 100000"),
+        (["--steps", str(2**62)], "--steps 4611686018427387904: must be at most"),
+        (["--k1", "2"], "--k1 is for --sync hfa, not --sync fsa: drop --k1"),
+        (["--sync", "mixed", "--k2", "2"], "--k2 is for --sync hfa, not --sync mixed"),
+        (["--outer-lr", "0.5"], "--outer-lr is for --sync hfa"),
+        (["--hfa-weighting", "uniform"], "--hfa-weighting is for --sync hfa"),
+        (["--max-staleness", "3"], "--max-staleness is for --sync mixed, not --sync fsa"),
+        (["--sync", "hfa", "--max-staleness", "3"], "--max-staleness is for --sync mixed"),
+        (["--nesterov", "--momentum", "0"], "--nesterov with --momentum 0"),
+        (["--comm-timeout", "1e-9"], "--comm-timeout 1e-09: at least 1 s"),
+        (["--comm-timeout", "0.5"], "--comm-timeout 0.5: at least 1 s"),
+    ],
+)
+def test_absurd_values_and_flags_of_another_algorithm_are_one_line(
+    argv: list[str], needle: str
+) -> None:
+    with pytest.raises(ConfigError) as exc:
+        cfg(*argv).validate()
+    assert needle in one_line(exc)
+
+
+def test_a_geomx_style_variable_under_another_sync_is_still_accepted() -> None:
+    """Only flags given on the command line are refused under another --sync: a job script's
+    environment may set HFA's K1 for every algorithm it launches."""
+    assert cfg(env={"GEOMPI_HFA_K1": "4"}).validate().k1 == 4
+
+
+def test_dc_slowdown_of_a_datacenter_that_does_not_exist() -> None:
+    c = cfg("--dc-slowdown", "1:3,7:2").validate()  # known once the topology is planned
+    c.check_topology(8)
+    with pytest.raises(ConfigError) as exc:
+        c.check_topology(3)
+    assert one_line(exc) == (
+        "--dc-slowdown 7:2: there is no datacenter 7; this job has 3, numbered 0 to 2"
+    )
+
+
+def test_plan_topology_refuses_a_slowdown_of_a_missing_datacenter() -> None:
+    from types import SimpleNamespace
+
+    from geompi.train import plan_topology
+
+    comm = SimpleNamespace(Get_size=lambda: 9)
+    assert plan_topology(cfg("--dcs", "2").validate(), comm).num_dcs == 2
+    with pytest.raises(ConfigError) as exc:
+        plan_topology(cfg("--dcs", "2", "--dc-slowdown", "2:3").validate(), comm)
+    assert "no datacenter 2; this job has 2" in one_line(exc)
+
+
+def test_geompi_max_staleness_is_not_read_so_it_is_refused() -> None:
+    """The README documents --max-staleness and geompi.init(max_staleness=...), never this
+    variable: a run went ahead unbounded while its user believed the bound was on."""
+    with pytest.raises(ConfigError) as exc:
+        from_env({"GEOMPI_MAX_STALENESS": "4"})
+    assert one_line(exc).startswith("GEOMPI_MAX_STALENESS is not read by geompi: unset it")
+    assert "--max-staleness" in str(exc.value)
+    assert from_env({"GEOMPI_MAX_STALENESS": ""}) == {"sources": {}}
+
+
+def test_fault_hooks_are_read_only_in_test_mode() -> None:
+    """Issue 35 item 8: GEOMPI_FAULT_KILL_AT and the other test hooks were read in production:
+    a variable left in a job's environment killed one of its ranks."""
+    from geompi.comm.faults import fault_step
+
+    env = {"GEOMPI_FAULT_KILL_AT": "5:0,3", "GEOMPI_FAULT_NAN_AT": "4"}
+    assert fault_step("GEOMPI_FAULT_KILL_AT", 3, env) == -1
+    assert fault_step("GEOMPI_FAULT_NAN_AT", 0, env) == -1
+    for off in ("0", "", "yes"):
+        assert fault_step("GEOMPI_FAULT_KILL_AT", 3, {**env, "GEOMPI_TEST_HOOKS": off}) == -1
+    on = {**env, "GEOMPI_TEST_HOOKS": "1"}
+    assert fault_step("GEOMPI_FAULT_KILL_AT", 3, on) == 5
+    assert fault_step("GEOMPI_FAULT_NAN_AT", 0, on) == 4
+    assert fault_step("GEOMPI_FAULT_KILL_AT", 1, on) == -1
+
+
+def test_epochs_that_come_to_more_steps_than_the_bound_are_refused() -> None:
+    """--epochs within its own bound can still make over MAX_STEPS steps of a large dataset."""
+    from types import SimpleNamespace
+
+    from geompi.train import Worker
+
+    def worker(epochs: float) -> SimpleNamespace:
+        loader = SimpleNamespace(steps_per_epoch=10**4)
+        return SimpleNamespace(
+            cfg=cfg("--epochs", str(epochs)).validate(),
+            loader=loader,
+            algo=SimpleNamespace(period=lambda: 1),
+        )
+
+    assert Worker._total_steps(worker(1e5)) == 10**9
+    with pytest.raises(ConfigError) as exc:
+        Worker._total_steps(worker(1e6))
+    assert one_line(exc).startswith("--epochs 1e+06 is 10000000000 steps of 10000 per epoch")

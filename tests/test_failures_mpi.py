@@ -8,7 +8,7 @@ import h5py
 import pytest
 import torch
 
-from tests.mpirun import ULFM, ULFM_ENV, error_lines, mpirun, prog
+from tests.mpirun import HOOKS, ULFM, ULFM_ENV, error_lines, mpirun, prog
 from tests.reference import max_abs_diff
 
 pytestmark = pytest.mark.mpi
@@ -70,7 +70,7 @@ def test_hfa_survives_a_lost_datacenter(tmp_path, expected, hook, killed, what):
     which have then applied that key (an outer Nesterov step) and must undo it. The job ends
     with exit 0 on the global model of the other two, which equals the simulation that drops
     datacenter 2 at that average (1e-5), and says so in one line."""
-    env = {**ULFM_ENV, hook: f"{LOST_AT}:{killed}"}
+    env = {**ULFM_ENV, **HOOKS, hook: f"{LOST_AT}:{killed}"}
     res = mpirun(10, [prog("dc_lost.py"), "hfa", str(tmp_path)], 150, env=env, launcher=ULFM)
     lines = [ln for ln in res.stderr.splitlines() if ln.startswith("geompi: lost")]
     assert len(lines) == 1, res.stderr
@@ -92,7 +92,7 @@ def test_hfa_survives_a_lost_datacenter(tmp_path, expected, hook, killed, what):
 def test_hfa_survives_a_lost_worker(tmp_path):
     """One of datacenter 2's two workers (rank 6) is lost at step 4: datacenter 2 goes on with
     the other; the final model equals the simulation that drops that worker there."""
-    env = {**ULFM_ENV, "GEOMPI_FAULT_KILL_AT": f"{LOST_AT}:6"}
+    env = {**ULFM_ENV, **HOOKS, "GEOMPI_FAULT_KILL_AT": f"{LOST_AT}:6"}
     res = mpirun(10, [prog("dc_lost.py"), "hfa", str(tmp_path)], 150, env=env, launcher=ULFM)
     (line,) = [ln for ln in res.stderr.splitlines() if ln.startswith("geompi: lost")]
     assert "6 (worker of datacenter 2)" in line and "left the job" not in line
@@ -115,7 +115,7 @@ def test_the_reference_tells_a_lost_datacenter_apart(expected):
 def test_a_lost_datacenter_0_stops_the_job_in_one_line(tmp_path):
     """Datacenter 0 (the master worker's) cannot leave: one line from one rank, a non-zero
     exit, no hang."""
-    env = {**ULFM_ENV, "GEOMPI_FAULT_KILL_AT": f"{LOST_AT}:2"}
+    env = {**ULFM_ENV, **HOOKS, "GEOMPI_FAULT_KILL_AT": f"{LOST_AT}:2"}
     stops_in_one_line(tmp_path, "hfa", env, "datacenter 0 lost its local server", "so it stops")
 
 
@@ -137,7 +137,7 @@ def test_a_lost_global_server_stops_the_job_which_resumes_from_its_checkpoint(tm
     step 8: one line that says to resume, a non-zero exit, no hang; the checkpoint of step 4
     is intact, and the job resumed from it on every rank trains to the end."""
     ck = tmp_path / "ck"
-    env = {**ULFM_ENV, "GEOMPI_FAULT_KILL_AT": "8:8"}
+    env = {**ULFM_ENV, **HOOKS, "GEOMPI_FAULT_KILL_AT": "8:8"}
     args = [prog("dc_lost.py"), "hfa", str(tmp_path), "12", str(ck)]
     res = mpirun(10, args, 120, env=env, launcher=ULFM, check=False)
     assert res.returncode != 0
@@ -161,7 +161,7 @@ def test_hfa_survives_a_loss_at_a_datacenter_round(tmp_path, expected):
     datacenter 2's workers). Exit 0, one line, the two datacenters train to the end. Where
     they notice at step 4's global average (every run here), datacenter 2's steps since step 2
     never reach anyone, so the model is the one of a loss at step 4."""
-    env = {**ULFM_ENV, "GEOMPI_FAULT_KILL_AT": "2:7"}
+    env = {**ULFM_ENV, **HOOKS, "GEOMPI_FAULT_KILL_AT": "2:7"}
     res = mpirun(10, [prog("dc_lost.py"), "hfa", str(tmp_path)], 150, env=env, launcher=ULFM)
     (line,) = [ln for ln in res.stderr.splitlines() if ln.startswith("geompi: lost")]
     assert "7 (local server of datacenter 2)" in line and "datacenter(s) 2 left" in line
@@ -181,7 +181,7 @@ def test_a_loss_during_a_checkpoint_writes_it_again_and_the_job_resumes_on_every
     which datacenter 2 leaves after step 4's average (nothing is averaged twice). The job then
     resumes from step 12 on all 10 ranks (re-sharded onto 3 datacenters) and trains to 16."""
     ck = tmp_path / "ck"
-    env = {**ULFM_ENV, "GEOMPI_FAULT_KILL_SAVE": f"{LOST_AT}:7"}
+    env = {**ULFM_ENV, **HOOKS, "GEOMPI_FAULT_KILL_SAVE": f"{LOST_AT}:7"}
     args = [prog("dc_lost.py"), "hfa", str(tmp_path), "12", str(ck)]
     res = mpirun(10, args, 150, env=env, launcher=ULFM)
     (line,) = [ln for ln in res.stderr.splitlines() if ln.startswith("geompi: lost")]
@@ -215,7 +215,7 @@ def test_the_public_api_survives_a_lost_datacenter(tmp_path):
     datacenter 2 there, and its optimizer lists the loss."""
     from tests.progs.api_common import hfa_reference
 
-    env = {**ULFM_ENV, "GEOMPI_FAULT_KILL_AT": f"{LOST_AT}:7"}
+    env = {**ULFM_ENV, **HOOKS, "GEOMPI_FAULT_KILL_AT": f"{LOST_AT}:7"}
     res = mpirun(10, [prog("api_dc_lost.py"), str(tmp_path)], 150, env=env, launcher=ULFM)
     (line,) = [ln for ln in res.stderr.splitlines() if ln.startswith("geompi: lost")]
     assert f"7 (local server of datacenter 2) at step {LOST_AT}" in line, line
@@ -238,6 +238,7 @@ def test_the_public_api_survives_a_lost_datacenter(tmp_path):
 # master, same datacenter) paused before step 8's results reached it: those it takes from a
 # worker they did reach.
 FSA_LOSSES = {
+    **HOOKS,
     "GEOMPI_FAULT_KILL_MID": "4:7",
     "GEOMPI_FAULT_SLOW_PULL": "8:0",
     "GEOMPI_FAULT_KILL_AT": "9:1",
@@ -335,6 +336,7 @@ def test_the_public_api_survives_fsa_losses(tmp_path):
 
 
 MIXED_LOSSES = {  # (rank 4: local server of datacenter 1; rank 6: a worker of datacenter 2)
+    **HOOKS,
     "GEOMPI_FAULT_KILL_MID": "4:4",  # lost once it has deposited its step-4 round
     "GEOMPI_FAULT_KILL_AT": "8:6",  # lost as it begins step 8
 }
@@ -459,7 +461,12 @@ def test_the_public_api_survives_a_lost_datacenter_under_mixedsync(tmp_path):
     at step 4. The survivors end with
     exit 0 on one final global model, each deposit made is applied once on both global servers
     (datacenter 2's 3 before the loss), and every survivor records the loss."""
-    env = {**ULFM_ENV, "GEOMPI_FAULT_KILL_AT": "4:7", "GEOMPI_TEST_DEPOSIT_LOG": str(tmp_path)}
+    env = {
+        **ULFM_ENV,
+        **HOOKS,
+        "GEOMPI_FAULT_KILL_AT": "4:7",
+        "GEOMPI_TEST_DEPOSIT_LOG": str(tmp_path),
+    }
     res = mpirun(10, [prog("api_dc_lost.py"), str(tmp_path), "mixed"], 180, env=env, launcher=ULFM)
     (line,) = [ln for ln in res.stderr.splitlines() if ln.startswith("geompi: lost")]
     assert "7 (local server of datacenter 2) at step " in line and "datacenter(s) 2 left" in line
@@ -502,5 +509,5 @@ def test_a_lost_global_server_stops_mixedsync_in_one_line(tmp_path):
     sided calls to it would wait forever (Open MPI's osc/rdma is not fault tolerant); with the
     MPI library's heartbeat on, as make train and the Slurm scripts turn it on, they leave and
     the others stop the job: one line from one rank, a non-zero exit, no hang."""
-    env = {**ULFM_ENV, **HEARTBEAT, "GEOMPI_FAULT_KILL_AT": "10:8"}
+    env = {**ULFM_ENV, **HOOKS, **HEARTBEAT, "GEOMPI_FAULT_KILL_AT": "10:8"}
     stops_in_one_line(tmp_path, "mixed", env, "global server rank(s) 8 lost", "so the job stops")

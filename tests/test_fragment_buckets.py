@@ -122,3 +122,18 @@ def test_checkpoint_state_of_cut_parameters_round_trips(tmp_path):
     assert sorted(got_opt["partial"]) == sorted(partial)
     for n, t in partial.items():
         assert torch.equal(got_opt["partial"][n], t), n
+
+
+def test_more_fragments_than_values_is_one_line():
+    """Issue 35 item 8: fragments beyond the model's values were dropped without a word (or,
+    past a round's keys, a traceback)."""
+    from geompi.errors import ConfigError
+
+    net = torch.nn.Linear(3, 2)  # 8 values
+    Buckets(list(net.named_parameters()), 1 << 20, 8)
+    with pytest.raises(ConfigError) as exc:
+        Buckets(list(torch.nn.Linear(3, 2).named_parameters()), 1 << 20, 9)
+    assert str(exc.value) == (
+        "streaming HFA with 9 fragments of a model of 8 values: at most one fragment per "
+        "value; use 8 or fewer fragments"
+    )

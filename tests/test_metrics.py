@@ -48,3 +48,22 @@ def test_log_appends_one_json_object_per_line(tmp_path):
     lines = [json.loads(ln) for ln in path.read_text().splitlines()]
     assert [ln["step"] for ln in lines] == [1, 2] and lines[1]["new_k2"] == 3
     assert all("time" in ln for ln in lines)
+
+
+def test_a_metrics_path_that_cannot_be_a_file_is_one_line(tmp_path):
+    """Issue 35 item 8: ``--metrics DIR`` raised IsADirectoryError from rank 0 (a traceback)."""
+    import pytest
+
+    from geompi.errors import ConfigError
+
+    with pytest.raises(ConfigError) as exc:
+        MetricsLog(str(tmp_path))
+    assert (
+        str(exc.value)
+        == f"--metrics {tmp_path} is a directory: give a file, e.g. {tmp_path}/m.jsonl"
+    )
+    with pytest.raises(ConfigError) as exc:
+        MetricsLog(str(tmp_path / "missing" / "m.jsonl"))
+    assert str(exc.value).startswith(
+        f"--metrics {tmp_path}/missing/m.jsonl: cannot open it (No such"
+    )

@@ -157,8 +157,23 @@ def test_agree_mismatch_in_the_presence_key_names_that_sender() -> None:
     good = Round(Op.GRAD, 3, [(0, 4), (9, 2)], weight=1.0, flags=FLAG_PRESENCE)
     bad = Round(Op.GRAD, 3, [(0, 4), (9, 3)], weight=1.0, flags=FLAG_PRESENCE)
     assert agree(stack(good, good), [0, 1], "dc 0")[0].keys == [(0, 4), (9, 2)]
-    with pytest.raises(ProtocolError, match=r"rank 31 sent round 3 GRAD keys \[0, 9\]"):
+    with pytest.raises(ProtocolError) as exc:
         agree(stack(good, bad), [30, 31], "dc 1")
+    assert "rank 31 sent round 3 GRAD key 9 of 3 values (rank 30: 2)" in str(exc.value)
+
+
+def test_agree_mismatch_of_sizes_names_the_key_and_both_sizes() -> None:
+    """Issue 35 item 9: workers whose models differ in size were told "rank 1 sent round 1
+    INIT keys [0, 1] but rank 0 sent round 1 INIT keys [0, 1]", the same words twice."""
+    mine = Round(Op.INIT, 1, [(0, 20), (1, 10)])
+    theirs = Round(Op.INIT, 1, [(0, 20), (1, 12)])
+    with pytest.raises(ProtocolError) as exc:
+        agree(stack(mine, theirs), [0, 1], "datacenter 0")
+    message = str(exc.value)
+    assert "\n" not in message
+    assert "rank 1 sent round 1 INIT key 1 of 12 values (rank 0: 10)" in message
+    assert "models differ in size" in message
+    assert "key 0" not in message  # the key that agrees is not named
 
 
 def test_agree_sums_the_weights_in_sender_order() -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from geompi import ckpt
-from tests.mpirun import error_lines, mpirun
+from tests.mpirun import HOOKS, error_lines, mpirun
 
 pytestmark = pytest.mark.mpi
 BASE = ["-m", "geompi.train", "--model", "mlp", "--batch-size", "12", "--progress-every", "1e9"]
@@ -227,7 +227,12 @@ def test_hfa_stops_within_k1_steps_of_sigterm_and_resumes_exactly(tmp_path):
     hfa = ["--sync", "hfa", "--k1", 4, "--k2", 5, "--dcs", 2, "--momentum", 0.9, "--steps", 40]
     part, full = tmp_path / "part", tmp_path / "full"
     res = train(
-        7, *hfa, "--checkpoint-dir", part, env={"GEOMPI_FAULT_SIGNAL_AT": "26:1"}, check=False
+        7,
+        *hfa,
+        "--checkpoint-dir",
+        part,
+        env={**HOOKS, "GEOMPI_FAULT_SIGNAL_AT": "26:1"},
+        check=False,
     )
     assert res.returncode == 0, res.stderr[-3000:]
     assert not error_lines(res.stderr)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from geompi import ckpt
-from tests.mpirun import error_lines, mpirun, read_jsonl
+from tests.mpirun import HOOKS, error_lines, mpirun, read_jsonl
 
 pytestmark = pytest.mark.mpi
 BASE = ["-m", "geompi.train", "--model", "mlp", "--batch-size", "12", "--progress-every", "1e9"]
@@ -84,7 +84,12 @@ def test_adaptive_sync_checkpoints_its_k2_and_resumes_exactly(tmp_path):
         strategy = ckpt.load(full / ckpt.checkpoint_name(step)).algorithm["strategy"]
         assert strategy["k2"] == 3 and strategy["steps"] == step, strategy
     res = train(
-        7, *hfa, "--checkpoint-dir", part, env={"GEOMPI_FAULT_SIGNAL_AT": "13:1"}, check=False
+        7,
+        *hfa,
+        "--checkpoint-dir",
+        part,
+        env={**HOOKS, "GEOMPI_FAULT_SIGNAL_AT": "13:1"},
+        check=False,
     )
     assert res.returncode == 0 and not error_lines(res.stderr), res.stderr[-3000:]
     assert "at step 10 (stopped at step 14, between global syncs" in res.stderr, res.stderr[-3000:]
@@ -123,7 +128,12 @@ def test_streaming_hfa_checkpoints_and_resumes_exactly(tmp_path, cadence):
         for step in (8, 16):
             assert ckpt.load(full / ckpt.checkpoint_name(step)).algorithm["strategy"]["k2"] == 3
     res = train(
-        7, *hfa, "--checkpoint-dir", part, env={"GEOMPI_FAULT_SIGNAL_AT": "11:1"}, check=False
+        7,
+        *hfa,
+        "--checkpoint-dir",
+        part,
+        env={**HOOKS, "GEOMPI_FAULT_SIGNAL_AT": "11:1"},
+        check=False,
     )
     assert res.returncode == 0 and not error_lines(res.stderr), res.stderr[-3000:]
     assert "at step 12; checkpoint written" in res.stderr, res.stderr[-3000:]

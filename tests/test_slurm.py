@@ -407,6 +407,7 @@ def test_fault_tolerant_hfa_job_survives_a_lost_datacenter(slurm, tmp_path):
         GEOMPI_FT="1",
         GEOMPI_CKPT_EVERY="8",
         GEOMPI_FAULT_KILL_AT="16:6",
+        GEOMPI_TEST_HOOKS="1",
         GEOMPI_SETTINGS=str(settings),
     )
     del env["GEOMPI_EXTRA_ARGS"]

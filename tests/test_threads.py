@@ -40,6 +40,19 @@ def test_overrides_and_slurm_cpus_per_task():
         override({"GEOMPI_THREADS": "many"})
 
 
+def test_absurd_thread_counts_are_refused_before_torch_is_told():
+    """Issue 35 item 8: GEOMPI_THREADS=99999999 reached torch.set_num_threads, and the rank
+    died on SIGSEGV."""
+    assert override({"GEOMPI_THREADS": "1024"}) == (1024, "GEOMPI_THREADS")
+    for var in ("GEOMPI_THREADS", "OMP_NUM_THREADS"):
+        with pytest.raises(ConfigError) as exc:
+            override({var: "99999999"})
+        msg = str(exc.value)
+        assert (
+            msg.startswith(f"{var}='99999999': at most 1024 threads per rank") and "\n" not in msg
+        )
+
+
 @pytest.mark.mpi
 def test_training_prints_and_uses_the_share():
     args = ["-m", "geompi.train", "--steps", "2", "--model", "linear"]

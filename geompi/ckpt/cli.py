@@ -95,7 +95,9 @@ def _inspect(path: str) -> int:
 def _flatten(ck: Checkpoint) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     tensors: dict[str, torch.Tensor] = {}
     attrs: dict[str, Any] = {
-        f"@{k}": v for k, v in ck.attrs.items() if k not in ("created", "geompi_version")
+        f"@{k}": v
+        for k, v in ck.attrs.items()
+        if k not in ("created", "geompi_version", "sequence")
     }
     for k, v in ck.model.items():
         tensors[f"/model/{k}"] = v

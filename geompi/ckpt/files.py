@@ -42,21 +42,79 @@ def list_checkpoints(directory: str | os.PathLike) -> list[pathlib.Path]:
     return [p for _, p in sorted(found)]
 
 
+def recorded_order(path: str | os.PathLike) -> tuple[int, int] | None:
+    """``(sequence, step)`` as the file recorded them when it was written, or None if its
+    header cannot be read (a torn or foreign file).
+
+    ``sequence`` is the write order in its directory (``next_sequence``); 0 in files written
+    before geompi recorded it. File times are never used: a copy, a restore or a clock that
+    runs ahead on one node of a shared filesystem dates an old checkpoint after a new one.
+    """
+    import h5py
+
+    from geompi.ckpt.format import _LOCKING
+
+    try:
+        if not h5py.is_hdf5(path):
+            return None
+        with h5py.File(path, "r", **_LOCKING) as f:
+            values = [_scalar_int(f, key) for key in ("sequence", "step")]
+    except Exception:  # noqa: BLE001 - any damage: the file's order is unknown
+        return None
+    if values[0] is None or values[1] is None:
+        return None
+    return values[0], values[1]
+
+
+def _scalar_int(f, key: str) -> int | None:
+    """Root attribute `key` if it is a non-negative integer scalar, 0 if absent, else None;
+    its type and shape are checked before anything is read (the file is not trusted)."""
+    if key not in f.attrs:
+        return 0
+    aid = f.attrs.get_id(key)
+    if aid.shape != () or aid.dtype.kind not in "iu":
+        return None
+    v = int(f.attrs[key])
+    return v if v >= 0 else None
+
+
+def next_sequence(directory: str | os.PathLike) -> int:
+    """The write order the next checkpoint of `directory` records: one more than any there."""
+    orders = [recorded_order(p) for p in list_checkpoints(directory)]
+    return 1 + max((o[0] for o in orders if o is not None), default=0)
+
+
+def _ordered(directory: str | os.PathLike) -> tuple[list[pathlib.Path], list[pathlib.Path]]:
+    """(the readable checkpoints, newest first by recorded write order then step; the
+    unreadable ones, highest step in the name first)."""
+    readable, unreadable = [], []
+    for p in list_checkpoints(directory):
+        order = recorded_order(p)
+        if order is None:
+            unreadable.append((_name_step(p), p))
+        else:
+            readable.append((order, p))
+    return (
+        [p for _, p in sorted(readable, key=lambda t: t[0], reverse=True)],
+        [p for _, p in sorted(unreadable, key=lambda t: t[0], reverse=True)],
+    )
+
+
+def _name_step(p: pathlib.Path) -> int:
+    m = _CKPT_RE.match(p.name)
+    return int(m.group(1)) if m else -1
+
+
 def by_write_order(directory: str | os.PathLike) -> list[pathlib.Path]:
-    """Checkpoint files of `directory`, the one written last first (mtime, then step).
+    """Checkpoint files of `directory`, the one written last first, by the write order and
+    step each file recorded (never by file times); files whose header cannot be read come
+    first, so that ``--resume latest`` tries them and says why it skipped them.
 
     After a resume from an older checkpoint, the files this run writes have lower steps than
     the abandoned ones: the step in the name does not say which is newest, the write does.
     """
-
-    def key(p: pathlib.Path) -> tuple[int, int]:
-        try:
-            mtime = p.stat().st_mtime_ns
-        except OSError:
-            mtime = -1
-        return (mtime, int(_CKPT_RE.match(p.name).group(1)))
-
-    return sorted(list_checkpoints(directory), key=key, reverse=True)
+    readable, unreadable = _ordered(directory)
+    return unreadable + readable
 
 
 def latest(directory: str | os.PathLike) -> pathlib.Path | None:
@@ -71,11 +129,13 @@ def prune(
     """Delete all but the newest `keep` (>= 1) checkpoints of `directory`; return the deleted.
 
     `lineage` (newest first) is what this run wrote and descends from, the file just written
-    first: those rank first and its first file is never deleted; the rest rank by write time.
+    first: those rank first and its first file is never deleted; the rest rank by the write
+    order the files recorded, and files that cannot be read rank last.
     """
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
         raise ValueError(f"keep must be an integer >= 1, not {keep!r}")
-    present = by_write_order(directory)
+    readable, unreadable = _ordered(directory)
+    present = readable + unreadable
     mine = [pathlib.Path(p) for p in lineage]
     ranked = [p for p in mine if p in present]
     ranked += [p for p in present if p not in ranked]

@@ -22,7 +22,14 @@ import numpy as np
 import torch
 
 from geompi.ckpt.checksum import _fletcher32_padded
-from geompi.ckpt.files import _fsync_path, _reason, _remove_quietly, create_temp, same_file
+from geompi.ckpt.files import (
+    _fsync_path,
+    _reason,
+    _remove_quietly,
+    create_temp,
+    next_sequence,
+    same_file,
+)
 from geompi.ckpt.format import (
     _DIRECT_MIN_BYTES,
     _DTYPE_NAME,
@@ -392,6 +399,8 @@ def save(
         "topology": _dumps(topology if topology is not None else {}, "topology"),
         "config": _dumps(config if config is not None else {}, "config"),
         "created": _utc_now(),
+        # the write order in the directory: --resume latest and rotation go by it, not mtime
+        "sequence": np.int64(next_sequence(path.parent)),
         "model_fingerprint": fingerprint(model),
         "metrics": _dumps(metrics if metrics is not None else {}, "metrics"),
     }

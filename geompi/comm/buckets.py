@@ -8,6 +8,8 @@ from typing import NamedTuple
 
 import torch
 
+from geompi.errors import ConfigError
+
 
 class Member(NamedTuple):
     """A parameter's values in one bucket: ``numel`` of them from ``start`` of the flattened
@@ -104,6 +106,11 @@ class Buckets:
         into buckets: at a parameter's end where the next one would pass the cap, and
         anywhere at a run's end."""
         total = sum(p.numel() for _, p in order)
+        if fragments > total:
+            raise ConfigError(
+                f"streaming HFA with {fragments} fragments of a model of {total} values: at "
+                f"most one fragment per value; use {total} or fewer fragments"
+            )
         flat = torch.empty(total, dtype=torch.float32, device=order[0][1].device)
         grads = torch.zeros_like(flat)
         spans: list[tuple[str, torch.nn.Parameter, int]] = []  # name, p, its offset in flat

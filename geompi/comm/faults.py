@@ -234,10 +234,16 @@ def surviving_topology(topo: Topology, lost: set[int]) -> tuple[Topology, list[i
     return Topology(sum(sizes) + g, tuple(sizes), g), left
 
 
+TEST_HOOKS = "GEOMPI_TEST_HOOKS"  # =1: the GEOMPI_FAULT_* test hooks are read (tests only)
+
+
 def fault_step(var: str, rank: int, env=os.environ) -> int:
     """A test hook's step for this rank: ``VAR=STEP:RANK[,RANK...][;STEP:RANK...]`` (RANK
     defaults to 0), else -1. GEOMPI_FAULT_KILL_AT makes those ranks SIGKILL themselves as the
-    round of STEP reaches them."""
+    round of STEP reaches them. Read only under ``GEOMPI_TEST_HOOKS=1``: a variable left over
+    in a production environment must not kill, stop or poison a real run."""
+    if env.get(TEST_HOOKS) != "1":
+        return -1
     for part in env.get(var, "").split(";"):
         step, _, ranks = part.partition(":")
         if step and rank in [int(r) for r in (ranks or "0").split(",")]:

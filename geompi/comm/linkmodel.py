@@ -30,6 +30,11 @@ _RATE_UNITS = {
     "gb": 1e9,
 }
 _TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
+# Emulated links within these bounds: beyond them a transfer's hold overflows time.sleep (a
+# traceback) or never ends. The slowest link is 1 kbit/s, the longest one-way latency 60 s.
+MIN_RATE = 1e3 / 8  # bytes per second
+MAX_RATE = 1e15  # bytes per second (8 Pbit/s)
+MAX_LATENCY_S = 60.0
 
 
 def parse_rate(text: str, flag: str = "--wan-bandwidth") -> float:
@@ -41,6 +46,8 @@ def parse_rate(text: str, flag: str = "--wan-bandwidth") -> float:
     value = float(m.group(1)) * _RATE_UNITS[unit]
     if not value > 0:
         raise ConfigError(f"{flag} {text!r}: the rate must be > 0")
+    if not MIN_RATE <= value <= MAX_RATE:
+        raise ConfigError(f"{flag} {text!r}: emulate a rate from 1kbit to 8000000Gbit per second")
     return value
 
 
@@ -49,7 +56,10 @@ def parse_duration(text: str, flag: str = "--wan-latency") -> float:
     m = re.fullmatch(r"\s*([0-9.]+(?:e[-+]?\d+)?)\s*(s|ms|us)\s*", str(text))
     if not m:
         raise ConfigError(f"{flag} {text!r}: give a time with a unit, e.g. 25ms, 0.1s or 500us")
-    return float(m.group(1)) * _TIME_UNITS[m.group(2)]
+    value = float(m.group(1)) * _TIME_UNITS[m.group(2)]
+    if not value <= MAX_LATENCY_S:
+        raise ConfigError(f"{flag} {text!r}: emulate at most {MAX_LATENCY_S:g}s one way")
+    return value
 
 
 @dataclass(frozen=True)

@@ -221,6 +221,25 @@ def sender_weights(headers: torch.Tensor) -> torch.Tensor:
     return headers[:, _WEIGHT].clone()
 
 
+def _difference(r: Round, first: Round, first_sender: int) -> str:
+    """What round ``r`` holds that differs from ``first`` (sent by rank ``first_sender``): the
+    round and key ids, else K2, the flags or the keys' sizes, in words."""
+    ids, first_ids = [k for k, _ in r.keys], [k for k, _ in first.keys]
+    if (r.op, r.round_id, ids) != (first.op, first.round_id, first_ids):
+        return (
+            f"keys {ids} but rank {first_sender} sent round {first.round_id} "
+            f"{first.op.name} keys {first_ids}"
+        )
+    if r.k2 != first.k2:
+        return f"with K2 {r.k2} but rank {first_sender} with K2 {first.k2}"
+    if r.flags != first.flags:
+        return f"with flags {r.flags:#x} but rank {first_sender} with flags {first.flags:#x}"
+    sizes = [(k, n, m) for (k, n), (_, m) in zip(r.keys, first.keys) if n != m]
+    shown = ", ".join(f"key {k} of {n} values (rank {first_sender}: {m})" for k, n, m in sizes[:3])
+    more = f" and {len(sizes) - 3} more keys" if len(sizes) > 3 else ""
+    return f"{shown}{more}: the workers' models differ in size"
+
+
 def agree(headers: torch.Tensor, senders: list[int], where: str) -> tuple[Round, float, list[int]]:
     """Check that all senders' headers describe the same round.
 
@@ -245,12 +264,10 @@ def agree(headers: torch.Tensor, senders: list[int], where: str) -> tuple[Round,
             first.flags,
             first.k2,
         ):
-            k2 = f" (K2 {r.k2} against {first.k2})" if r.k2 != first.k2 else ""
             raise ProtocolError(
-                f"{where}: rank {sender} sent round {r.round_id} {r.op.name} keys "
-                f"{[k for k, _ in r.keys]} but rank {senders[0]} sent round {first.round_id} "
-                f"{first.op.name} keys {[k for k, _ in first.keys]}{k2}: every worker must push "
-                "the same keys in the same order"
+                f"{where}: rank {sender} sent round {r.round_id} {r.op.name} "
+                f"{_difference(r, first, senders[0])}: every worker must push the same keys "
+                "in the same order (the same model, parameter by parameter)"
             )
     weight = float(sum(r.weight for r in rounds))
     with_spec = [s for s, r in zip(senders, rounds) if r.spec_len]

@@ -20,6 +20,7 @@ import torch
 
 from geompi.errors import ConfigError, positive_number
 from geompi.ps.optim import make_spec, torch_optimizer
+from geompi.ps.protocol import MAX_KEYS
 from geompi.sync.base import Algorithm
 from geompi.sync.fsa import _sync_tier
 
@@ -141,6 +142,10 @@ class HFA(Algorithm):
         return build_server(topo, comms, stats, k2=k2, streaming=streaming, **_sync_tier(common))
 
 
+# Streaming HFA's most fragments: each is at least one key of the rounds (protocol.MAX_KEYS).
+MAX_FRAGMENTS = 64
+
+
 def check_streaming(
     fragments: int, overlap: bool, mix: float, k2: int, pre: str = "--", post: str = ""
 ) -> None:
@@ -151,6 +156,11 @@ def check_streaming(
 
     if not isinstance(fragments, int) or isinstance(fragments, bool) or fragments < 1:
         raise ConfigError(f"{name('fragments')} {fragments!r}: must be a whole number >= 1")
+    if fragments > MAX_FRAGMENTS:
+        raise ConfigError(
+            f"{name('fragments')} {fragments}: at most {MAX_FRAGMENTS} (each fragment is one "
+            f"or more of the keys of a round, which carries at most {MAX_KEYS})"
+        )
     if not (isinstance(mix, int | float) and 0 < mix <= 1):
         raise ConfigError(f"{name('mix')} {mix!r}: must be in (0, 1] (1 replaces)")
     if mix != 1 and not overlap:

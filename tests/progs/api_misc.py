@@ -4,7 +4,8 @@
   step 3 is loaded into a fresh model and optimizer, which then trains on to step 6.
 - ``amp``: autocast + GradScaler under FSA and HFA, with an inf injected on one worker.
 - ``mixed``: MixedSync with the user's SGD (and DCASGD), and a schedule per datacenter.
-- ``bad_sync`` / ``bad_mixed_optimizer`` / ``bad_checkpoint`` / ...: user errors.
+- ``bad_sync`` / ``bad_mixed_optimizer`` / ``bad_checkpoint`` / ...: user errors;
+  ``nan_at_4th_step``: an inf loss at FSA's 4th step.
 """
 
 import json
@@ -180,6 +181,10 @@ elif mode == "bad_scaler_servers":
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     opt = geompi.DistributedOptimizer(sgd, model, sync=geompi.FSA(optimizer="servers"))
     train(model, opt, 2, scaler=torch.amp.GradScaler("cpu"))
+elif mode == "nan_at_4th_step":  # worker 0's loss is inf at the 4th step (t = 3)
+    model = nn.Sequential(nn.Linear(IN, 8), nn.Linear(8, OUT))
+    opt = geompi.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    train(model, opt, 6, inf_at=(3, 0))
 elif mode == "bad_save_servers":
     model = nn.Sequential(nn.Linear(IN, 8), nn.Linear(8, OUT))
     adam = torch.optim.Adam(model.parameters(), lr=0.1)
