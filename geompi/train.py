@@ -596,6 +596,15 @@ def _train(cfg: RunConfig, comm) -> dict | None:
             say(f"geompi: preempted by {by} {at}; {wrote}; {figures}")
         else:
             say(f"geompi: done: {figures}")
+        if cfg.checkpoint_dir and node.ckpt.failed_step == result["steps"]:
+            # the batch system must not record a success whose last state is lost
+            summary["checkpoint_failed"] = True
+            last = node.ckpt.written[0].name if node.ckpt.written else "none from this run"
+            say(
+                f"geompi: error: the checkpoint of the last step ({result['steps']}) could not "
+                f"be written to {cfg.checkpoint_dir} (see the warning above); the last good one "
+                f"is {last}; exit status 1"
+            )
     # Beat until every rank is here: one that is done (a fast MixedSync datacenter) must not
     # look lost to one still training.
     barrier(comm, last_wait, "every rank to finish")
@@ -658,8 +667,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = make_config(sys.argv[1:] if argv is None else argv)
     except GeompiError as e:  # identical on every rank, and before MPI starts
         exit_together(e, launcher_rank())
-    train(cfg)
-    return 0
+    summary = train(cfg)
+    return 1 if summary is not None and summary.get("checkpoint_failed") else 0
 
 
 if __name__ == "__main__":
