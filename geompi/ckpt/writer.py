@@ -343,6 +343,20 @@ def _check_space(directory: pathlib.Path, root: _Node) -> None:
         )
 
 
+def _reserve(fd: int, root: _Node) -> None:
+    """Have the file system allocate the whole file first (then give it back): a file-size
+    limit (EFBIG) or a disk filled since ``_check_space`` fails here, as a plain OSError, and
+    not halfway through HDF5's writes, which leaks its objects (a traceback per object at
+    deallocation, then a crash when the library shuts down)."""
+    nbytes, datasets = _size(root)
+    try:
+        os.posix_fallocate(fd, 0, nbytes + 1024 * datasets + 64 * 1024)
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise
+    os.ftruncate(fd, 0)
+
+
 def save(
     path: str | os.PathLike,
     *,
@@ -412,6 +426,7 @@ def save(
         directory.mkdir(parents=True, exist_ok=True)
         _check_space(directory, root)
         fd, tmp = create_temp(directory, path.name)  # exclusive: never through a symlink
+        _reserve(fd, root)
         with h5py.File(tmp, "w", libver=_LIBVER, track_order=True, **_LOCKING) as f:
             if not same_file(fd, tmp):  # replaced between our create and HDF5's open
                 raise CheckpointError(
