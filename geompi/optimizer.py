@@ -39,6 +39,7 @@ from geompi.ps.protocol import (
     FLAG_PRESENCE,
     FLAG_RAW,
     FLAG_SCATTER,
+    MAX_KEYS,
     Op,
     presence_payload,
 )
@@ -175,7 +176,23 @@ def _validate(optimizer, model, sync, s, bucket_mb, max_grad_norm, passes, wan) 
                 f"parameter {name} is {p.dtype}: geompi synchronizes fp32 parameters; keep "
                 "the model in fp32 and use torch.autocast for bf16/fp16 compute"
             )
+    fragments = getattr(algo, "fragments", 1) if algo.local_steps else 1
+    check_key_count(
+        Buckets(list(model.named_parameters()), int(bucket_mb * 2**20), fragments), bucket_mb
+    )
     return algo.server_spec(optimizer)
+
+
+def check_key_count(buckets: Buckets, bucket_mb: float) -> None:
+    """A round's header holds at most MAX_KEYS keys: the buckets, the extra (buffers) key and
+    the presence key. Many parameters in small buckets (or many fragments) need more."""
+    count = len(buckets.keys) + 2
+    if count > MAX_KEYS - 1:
+        raise ConfigError(
+            f"the model makes {len(buckets.keys)} buckets at bucket_mb={bucket_mb:g} "
+            f"(--bucket-mb), but a round carries at most {MAX_KEYS - 3}: raise bucket_mb (or "
+            "use fewer HFA fragments)"
+        )
 
 
 def _rewrap_scheduler_step(optimizer: torch.optim.Optimizer) -> None:
@@ -376,6 +393,7 @@ class Synchronizer:
         # streaming HFA: keys cut into equal fragments (its rounds exchange parameters only)
         fragments = getattr(algo, "fragments", 1) if algo.local_steps else 1
         self.buckets = Buckets(named, int(bucket_mb * 2**20), fragments)
+        check_key_count(self.buckets, bucket_mb)  # the same on every worker, before any collective
         self.float_buffers = synchronized_buffers(model)
         self.client = PSClient(
             Link(session.comms.dc, LAN, self.stats), worker_timeout(session.cfg.comm_timeout)

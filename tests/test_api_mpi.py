@@ -470,6 +470,8 @@ def test_mixedsync_trains_the_users_sgd_and_dcasgd(tmp_path):
         ("bad_save_servers", "geompi.save(optimizer=...) with a lossy wan_compression where"),
         # issue 35 item 9: the API's FSA step counter stood at 0, so this said "at step 1"
         ("nan_at_4th_step", "non-finite global gradient at step 4:"),
+        # a ValueError traceback from the round header's encoder, then a hang
+        ("bad_many_keys", "the model makes 300 buckets at bucket_mb=1e-09"),
     ],
 )
 def test_user_errors_are_one_line_and_stop_every_rank(tmp_path, mode, words):

@@ -185,6 +185,11 @@ elif mode == "nan_at_4th_step":  # worker 0's loss is inf at the 4th step (t = 3
     model = nn.Sequential(nn.Linear(IN, 8), nn.Linear(8, OUT))
     opt = geompi.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
     train(model, opt, 6, inf_at=(3, 0))
+elif mode == "bad_many_keys":  # 300 parameters, a bucket each: more keys than a round holds
+    model = nn.Sequential(*[nn.Linear(2, 2) for _ in range(150)])
+    opt = geompi.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), model, bucket_mb=1e-9
+    )
 elif mode == "bad_save_servers":
     model = nn.Sequential(nn.Linear(IN, 8), nn.Linear(8, OUT))
     adam = torch.optim.Adam(model.parameters(), lr=0.1)
