@@ -7,6 +7,15 @@ into one line on stderr from one rank and abort every rank together.
 from __future__ import annotations
 
 import math
+import sys
+
+PREFIX = "geompi: error: "  # the start of every error line a user sees
+
+
+def say(msg: str) -> None:
+    """One line on stderr, flushed."""
+    sys.stderr.write(msg.rstrip("\n") + "\n")
+    sys.stderr.flush()
 
 
 class GeompiError(Exception):

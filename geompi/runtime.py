@@ -17,9 +17,7 @@ import sys
 import time
 import traceback
 
-from geompi.errors import GeompiError
-
-PREFIX = "geompi: error: "
+from geompi.errors import PREFIX, GeompiError, say  # noqa: F401 - PREFIX, say: re-exported
 
 # Open MPI settings for many ranks on one machine (the Makefile exports the same; the tests and
 # bench/run_all.py pass these): allow root, allow more ranks than cores, one-sided over rdma,
@@ -33,12 +31,6 @@ LOCAL_OPENMPI_ENV = {
     "OMPI_MCA_btl": "self,sm,tcp",
     "OMPI_MCA_mpi_yield_when_idle": "1",
 }
-
-
-def say(msg: str) -> None:
-    """One line on stderr, flushed."""
-    sys.stderr.write(msg.rstrip("\n") + "\n")
-    sys.stderr.flush()
 
 
 def world():
@@ -205,7 +197,7 @@ _PER_RANK_ENV = ("GEOMPI_DEVICE",)
 
 def rank_settings() -> dict:
     """What must agree across ranks: the ``GEOMPI_*``/``MXNET_KVSTORE_*`` environment and
-    the worker device this rank would choose (geompi.train.worker_device's rule)."""
+    the worker device this rank would choose (geompi.runtime.worker_device's rule)."""
     env = {
         k: v
         for k, v in os.environ.items()
@@ -333,3 +325,38 @@ class StopRequest:
 
         req, self._req = self._req, None
         wait_for([req], self.timeout, "the other workers to agree on a stop")
+
+
+# ---- start-up: the topology of the world and a worker's device (CLI, API and KVStore) ----
+def plan_topology(cfg, comm):
+    """The topology for this world. ``--dc-map nodes`` asks every rank for its host (collective)."""
+    from geompi.comm.topology import Topology, dc_sizes_from_hosts
+    from geompi.errors import ConfigError
+
+    sizes = cfg.dc_sizes
+    if cfg.dc_map == "nodes":
+        import socket
+
+        hosts = comm.allgather(socket.gethostname())
+        sizes = tuple(dc_sizes_from_hosts(hosts, cfg.global_servers or 1))
+        if cfg.dc_sizes is not None or cfg.dcs is not None:
+            raise ConfigError("--dc-map nodes derives the datacenters: drop --dcs/--dc-sizes")
+    topo = Topology.plan(comm.Get_size(), cfg.dcs, sizes, cfg.global_servers)
+    cfg.check_topology(topo.num_dcs)
+    return topo
+
+
+def worker_device(workers_comm):
+    """The GPU of this worker (round-robin over the node's GPUs by local rank), else the CPU.
+
+    ``GEOMPI_DEVICE=cpu`` forces the CPU.
+    """
+    import torch
+
+    from geompi.comm.topology import node_share
+
+    if os.environ.get("GEOMPI_DEVICE", "").lower() == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    index = node_share(workers_comm)[0] % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)

@@ -97,9 +97,14 @@ def init(comm=None, **settings) -> Session:
     ``comm`` (default COMM_WORLD).
     """
     global _session
-    from geompi.runtime import exit_together, install_excepthook, start_job
+    from geompi.runtime import (
+        exit_together,
+        install_excepthook,
+        plan_topology,
+        start_job,
+        worker_device,
+    )
     from geompi.threads import configure_threads
-    from geompi.train import plan_topology, worker_device
 
     if _session is not None and not _session.finished:
         raise ConfigError("geompi.init() was already called: call geompi.finish() first")

@@ -25,7 +25,7 @@ import torch
 
 from geompi import sync
 from geompi.comm import faults, heartbeat
-from geompi.comm.topology import Role, Topology, dc_sizes_from_hosts, node_share
+from geompi.comm.topology import Role, Topology
 from geompi.comm.transport import LAN, LinkStats, barrier, live_timeout, worker_timeout
 from geompi.config import MAX_STEPS, RunConfig, make_config
 from geompi.errors import ConfigError, GeompiError
@@ -38,9 +38,11 @@ from geompi.runtime import (
     exit_together,
     install_excepthook,
     install_signal_handlers,
+    plan_topology,
     restore_signal_handlers,
     say,
     start_job,
+    worker_device,
 )
 from geompi.threads import configure_threads
 
@@ -51,21 +53,6 @@ def launcher_rank() -> int:
         if os.environ.get(var, "").isdigit():
             return int(os.environ[var])
     return 0
-
-
-def plan_topology(cfg: RunConfig, comm) -> Topology:
-    """The topology for this world. ``--dc-map nodes`` asks every rank for its host (collective)."""
-    sizes = cfg.dc_sizes
-    if cfg.dc_map == "nodes":
-        import socket
-
-        hosts = comm.allgather(socket.gethostname())
-        sizes = tuple(dc_sizes_from_hosts(hosts, cfg.global_servers or 1))
-        if cfg.dc_sizes is not None or cfg.dcs is not None:
-            raise ConfigError("--dc-map nodes derives the datacenters: drop --dcs/--dc-sizes")
-    topo = Topology.plan(comm.Get_size(), cfg.dcs, sizes, cfg.global_servers)
-    cfg.check_topology(topo.num_dcs)
-    return topo
 
 
 class Worker:
@@ -462,18 +449,6 @@ def _fault_signal_at(rank: int) -> int:
 def _fault_nan_at(rank: int) -> int:
     """``GEOMPI_FAULT_NAN_AT=STEP:RANK``: a test hook that makes that rank's loss NaN once."""
     return faults.fault_step("GEOMPI_FAULT_NAN_AT", rank)
-
-
-def worker_device(workers_comm) -> torch.device:
-    """The GPU of this worker (round-robin over the node's GPUs by local rank), else the CPU.
-
-    ``GEOMPI_DEVICE=cpu`` forces the CPU.
-    """
-    if os.environ.get("GEOMPI_DEVICE", "").lower() == "cpu" or not torch.cuda.is_available():
-        return torch.device("cpu")
-    index = node_share(workers_comm)[0] % torch.cuda.device_count()
-    torch.cuda.set_device(index)
-    return torch.device("cuda", index)
 
 
 def train(cfg: RunConfig, comm=None) -> dict | None:

@@ -323,7 +323,7 @@ def _stop_the_job(shrunk, err: LostEssentialRank) -> None:
     40 with one late exit 1 (bench/ulfm_exit.py)."""
     first = shrunk.Get_rank() == 0
     if first:
-        from geompi.runtime import PREFIX, say
+        from geompi.errors import PREFIX, say
 
         say(PREFIX + str(err))
     sys.stdout.flush()

@@ -1,0 +1,182 @@
+"""The shape of the package, held as a ratchet (issue 36, ../shared/design.md step 1).
+
+Read from the source with ``ast`` (nothing is imported): the import graph of ``geompi``
+(module-level and function-level imports alike: a lazy import is still an arrow), its cycles,
+arrows that point up the layers, and the lines outside ``geompi/sync/`` that dispatch on an
+algorithm's name or a kind flag standing for it. Each figure may only fall: a change that adds
+a cycle, an upward arrow or an algorithm test outside ``sync/`` fails here; one that removes
+some must lower the recorded figure with it, so the gain cannot be lost again.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parents[1] / "geompi"
+
+# Import cycles (strongly connected groups of modules) allowed: none since `say` moved to
+# errors.py and the start-up helpers to runtime.py (session.init imported them from train).
+CYCLES_ALLOWED: list[set[str]] = []
+# Layers, bottom first: a module may import its own layer or lower ones only.
+LAYERS = [
+    {"errors"},
+    {"comm"},
+    {"ps"},
+    {"sync"},
+]
+UPWARD_ALLOWED = 0
+# Lines outside geompi/sync/ that test an algorithm by name or by a flag standing for it.
+DISPATCH = re.compile(
+    r"""(==|!=|\bin\b|\bis\b)\s*\(?\s*["'](fsa|hfa|mixed)["']|\.(local_steps|independent_dcs|"""
+    r"""streaming|server_side|on_servers)\b|\bOp\.(AVG|ASYNC)\b|sync\s*==|\.name\s*=="""
+)
+DISPATCH_ALLOWED = 91  # today's count; the redesign brings it to a handful
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for path in PKG.rglob("*.py"):
+        rel = path.relative_to(PKG).with_suffix("")
+        parts = [p for p in rel.parts if p != "__init__"]
+        out[".".join(parts) or "__init__"] = path
+    return out
+
+
+def imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """The geompi modules ``name`` imports (the longest known prefix of each target)."""
+    tree = ast.parse(path.read_text())
+    package = name.rsplit(".", 1)[0] if path.name != "__init__.py" else name
+    out = set()
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+                base = "geompi." + base if base else "geompi"
+            targets = [f"{base}.{a.name}" for a in node.names] + [base]
+        for t in targets:
+            if not t.startswith("geompi"):
+                continue
+            parts = t.split(".")[1:]
+            while parts and ".".join(parts) not in known:
+                parts.pop()
+            if parts and ".".join(parts) != name:
+                out.add(".".join(parts))
+    return out
+
+
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    known = set(mods)
+    return {m: imports(m, p, known) for m, p in mods.items()}
+
+
+def cycles(g: dict[str, set[str]]) -> list[set[str]]:
+    """Tarjan's strongly connected components of more than one module."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in g.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = set()
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.add(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(comp)
+
+    for v in sorted(g):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def layer(module: str) -> int | None:
+    top = module.split(".")[0]
+    for i, names in enumerate(LAYERS):
+        if top in names:
+            return i
+    return None
+
+
+def upward_arrows(g: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """Arrows from a layered module to a higher layer, or to a module above every layer (the
+    engine, API and application: optimizer, session, train, ...)."""
+    out = []
+    for src, dsts in g.items():
+        ls = layer(src)
+        if ls is None:
+            continue
+        for dst in dsts:
+            ld = layer(dst)
+            if ld is None or ld > ls:
+                out.append((src, dst))
+    return sorted(out)
+
+
+def dispatch_lines() -> list[str]:
+    out = []
+    for path in sorted(PKG.rglob("*.py")):
+        if "sync" in path.relative_to(PKG).parts[:1]:
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0]
+            if DISPATCH.search(code):
+                out.append(f"{path.relative_to(PKG)}:{n}: {line.strip()}")
+    return out
+
+
+def test_no_new_import_cycle():
+    found = cycles(graph())
+    for comp in found:
+        assert any(comp <= allowed for allowed in CYCLES_ALLOWED), (
+            f"a new import cycle: {sorted(comp)}: import the lower module from the higher one "
+            "only (design.md: arrows point down)"
+        )
+    gone = [a for a in CYCLES_ALLOWED if not any(c & a for c in found)]
+    assert not gone, f"cycles {gone} are gone: remove them from CYCLES_ALLOWED"
+
+
+def test_no_new_upward_arrow():
+    up = upward_arrows(graph())
+    assert len(up) <= UPWARD_ALLOWED, f"{len(up)} upward arrows (allowed {UPWARD_ALLOWED}): {up}"
+    assert len(up) >= UPWARD_ALLOWED, f"only {len(up)} upward arrows now: lower UPWARD_ALLOWED"
+
+
+def test_no_new_algorithm_dispatch_outside_sync():
+    lines = dispatch_lines()
+    assert len(lines) <= DISPATCH_ALLOWED, (
+        f"{len(lines)} lines outside geompi/sync/ test an algorithm's name or kind (allowed "
+        f"{DISPATCH_ALLOWED}): move the behaviour into the algorithm's module\n"
+        + "\n".join(lines[-20:])
+    )
+    assert len(lines) >= DISPATCH_ALLOWED - 5, (
+        f"only {len(lines)} such lines now: lower DISPATCH_ALLOWED to keep the gain"
+    )
+
+
+def test_the_graph_is_read():
+    """The reader itself: it sees the arrows everyone knows are there (so the ratchets above
+    cannot pass by reading nothing)."""
+    g = graph()
+    assert "comm.transport" in g["ps.global_server"]
+    assert "session" in g["optimizer"]
+    assert len(g) > 40 and sum(len(v) for v in g.values()) > 100
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]
