@@ -139,6 +139,68 @@ def test_server_spec_reads_the_users_optimizer():
         MixedSync(dcasgd=True).server_spec(torch.optim.SGD(p, lr=0.3, momentum=0.9))
 
 
+def test_server_spec_carries_maximize_and_decoupled_weight_decay():
+    """Issue 34 item 6: the servers' spec carries the flags their torch step implements."""
+    p = [torch.nn.Parameter(torch.zeros(3))]
+    assert server_spec(torch.optim.SGD(p, lr=0.1, maximize=True), "X").maximize
+    assert server_spec(torch.optim.AdamW(p, maximize=True), "X").maximize
+    adam = server_spec(torch.optim.Adam(p, decoupled_weight_decay=True, weight_decay=0.1), "X")
+    assert adam.decoupled_weight_decay and adam.weight_decay == 0.1
+    assert server_spec(torch.optim.AdamW(p), "X").decoupled_weight_decay
+    assert not server_spec(torch.optim.Adam(p), "X").decoupled_weight_decay
+    # how torch computes a step, not what: the servers run the single-tensor step anyway
+    for flags in ({"foreach": True}, {"foreach": False}, {"fused": True}, {"capturable": True}):
+        assert server_spec(torch.optim.Adam(p, **flags), "X") == Adam()
+    sched = torch.optim.SGD(p, lr=0.1)  # a scheduler's keys, and the user's own, are no options
+    torch.optim.lr_scheduler.OneCycleLR(sched, max_lr=0.1, total_steps=10)
+    sched.param_groups[0]["name"] = "body"
+    assert isinstance(server_spec(sched, "X"), SGD)
+
+
+@pytest.mark.parametrize(
+    "make, words",
+    [
+        (lambda p: torch.optim.Adam(p, amsgrad=True), "Adam's amsgrad=True"),
+        (lambda p: torch.optim.AdamW(p, amsgrad=True), "AdamW's amsgrad=True"),
+        (lambda p: torch.optim.SGD(p, lr=0.1, differentiable=True), "differentiable=True"),
+        (lambda p: torch.optim.Adam(p, differentiable=True), "differentiable=True"),
+    ],
+)
+def test_server_spec_refuses_every_option_the_servers_would_drop(make, words):
+    """Every key of every param group is compared with what the servers implement; an option
+    they do not is one line naming it and its value."""
+    p = [torch.nn.Parameter(torch.zeros(3))]
+    opt = make(p)
+    for algo in (FSA(optimizer="servers"), MixedSync()):
+        with pytest.raises(ConfigError) as exc:
+            algo.server_spec(opt)
+        assert words in str(exc.value) and "\n" not in str(exc.value), exc.value
+    # in a second param group only, too
+    two = type(opt)([{"params": p}, {"params": [torch.nn.Parameter(torch.zeros(1))]}])
+    two.param_groups[1].update({k: v for k, v in opt.param_groups[0].items() if k != "params"})
+    with pytest.raises(ConfigError, match=words.split("'s ")[-1]):
+        FSA(optimizer="servers").server_spec(two)
+
+
+def test_an_option_the_servers_do_not_carry_passes_at_its_default_only(monkeypatch):
+    """The rule for any option outside CARRIED (one a later torch adds): refused unless it
+    holds the constructor's default. Shown on dampening, taken out of CARRIED here."""
+    from geompi.sync import fsa
+
+    sgd = torch.optim.SGD
+    monkeypatch.setitem(fsa.CARRIED, sgd, fsa.CARRIED[sgd] - {"dampening"})
+    p = [torch.nn.Parameter(torch.zeros(3))]
+    assert isinstance(server_spec(sgd(p, lr=0.1, momentum=0.9), "X"), SGD)
+    with pytest.raises(ConfigError, match="SGD's dampening=0.5"):
+        server_spec(sgd(p, lr=0.1, momentum=0.9, dampening=0.5), "X")
+
+
+def test_dcasgd_refuses_maximize():
+    p = [torch.nn.Parameter(torch.zeros(3))]
+    with pytest.raises(ConfigError, match="maximize=True"):
+        MixedSync(dcasgd=True).server_spec(torch.optim.SGD(p, lr=0.1, maximize=True))
+
+
 @pytest.mark.parametrize(
     "make",
     [
