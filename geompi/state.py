@@ -17,6 +17,7 @@ import torch
 
 from geompi import ckpt
 from geompi.errors import CheckpointError, ConfigError, GeompiError
+from geompi.optimizer_json import check_checkpoint
 
 _GROUPS = "param_groups"  # optimizer attribute: the param groups, params as names (JSON)
 _NONE = "none_states"  # optimizer attribute: [param name, state name] whose value was None
@@ -126,6 +127,7 @@ def load(
 
 
 def _restore(ck: ckpt.Checkpoint, model: torch.nn.Module, optimizer) -> None:
+    check_checkpoint(ck, param_names(model, optimizer), optimizer)  # untrusted JSON, counters
     try:
         model.load_state_dict(ck.model, strict=True)
     except RuntimeError as e:
