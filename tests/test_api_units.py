@@ -248,3 +248,31 @@ def test_load_refuses_another_optimizer_class(tmp_path):
     geompi.save(tmp_path / "a.h5", model=net, optimizer=torch.optim.SGD(net.parameters(), lr=1))
     with pytest.raises(CheckpointError, match="holds 'SGD' optimizer state"):
         geompi.load(tmp_path / "a.h5", model=net, optimizer=torch.optim.Adam(net.parameters()))
+
+
+def test_callwatch_names_only_places_that_can_never_meet():
+    """Issue 35 item 2: workers waiting in different collective calls, or one in a call while
+    another waits in a round beyond those the first began, are a mismatch; a worker still in
+    the round the others already pushed, or the same call, is not (however long it takes)."""
+    from geompi.callwatch import LABELS, Place, conflict
+
+    save, finish = LABELS.index("geompi.save"), LABELS.index("geompi.finish")
+    assert conflict(Place(save, 2, 4), Place(finish, 2, 4))  # save alone, the rest finish
+    assert conflict(Place(save, 2, 4), Place(0, 1, 5))  # save alone, the rest train on
+    assert conflict(Place(0, 1, 6), Place(finish, 2, 5))  # one worker stopped a step early
+    assert not conflict(Place(save, 2, 4), Place(save, 2, 4))  # the master writes a big file
+    assert not conflict(Place(save, 2, 4), Place(0, 1, 4))  # a slow pull of the last round
+    assert not conflict(Place(save, 3, 4), Place(finish, 2, 4))  # one call apart: passing
+    assert not conflict(Place(0, 1, 4), Place(0, 1, 5))  # rounds: the servers match those
+
+
+def test_agree_names_the_first_setting_a_worker_differs_in():
+    from geompi.session import _first_difference
+
+    a = {"bucket_mb": 1.0, "model": [["w", [2, 3], "torch.float32", True, 0]]}
+    b = {"bucket_mb": 1.0, "model": [["w", [3, 3], "torch.float32", True, 0]]}
+    msg = _first_difference("DistributedOptimizer", [a, a, b])
+    assert msg.startswith("DistributedOptimizer: worker 2's model differs from worker 0's")
+    assert "[3, 3]" in msg and "[2, 3]" in msg and "\n" not in msg
+    msg = _first_difference("X", [a, {**a, "bucket_mb": 0.5}])
+    assert "worker 1's bucket_mb differs from worker 0's (0.5 vs 1.0)" in msg
