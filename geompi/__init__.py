@@ -59,7 +59,19 @@ if TYPE_CHECKING:  # pragma: no cover
     from geompi.sync import FSA, HFA, MixedSync
 
 
+# Collective calls over the workers, watched for a worker that calls them alone (callwatch).
+_COLLECTIVE = {"save": "geompi.save", "load": "geompi.load"}
+_wrapped: dict = {}
+
+
 def __getattr__(name: str):
+    if name in _COLLECTIVE:
+        if name not in _wrapped:
+            from geompi import callwatch
+
+            fn = getattr(importlib.import_module(_LAZY[name]), name)
+            _wrapped[name] = callwatch.collective(_COLLECTIVE[name], fn)
+        return _wrapped[name]
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
     if name in _SUBMODULES:  # geompi.kv.create(...) after a plain `import geompi`, as mx.kv

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from geompi import callwatch
 from geompi.comm import faults
 from geompi.comm.buckets import Buckets
 from geompi.comm.buffers import all_finite
@@ -87,6 +88,7 @@ def DistributedOptimizer(  # noqa: N802 - a factory named like the class it retu
     from geompi import session
 
     s = session.worker_session()
+    server_spec: dict | None = None
     try:
         server_spec = _validate(
             optimizer, model, sync, s, bucket_mb, max_grad_norm, backward_passes_per_step, wan
@@ -100,23 +102,51 @@ def DistributedOptimizer(  # noqa: N802 - a factory named like the class it retu
                 "on_failure='continue' with lan_reduce='scatter': a datacenter sums through its "
                 "local server under continue; drop lan_reduce"
             )
-    except GeompiError as e:  # the same on every worker, before any collective call
-        session.exit_identically(s, e)
-    engine = Synchronizer(
-        optimizer,
-        model,
-        resolve(sync),
-        s,
-        bucket_mb=bucket_mb,
-        max_grad_norm=max_grad_norm,
-        passes=backward_passes_per_step,
-        server_spec=server_spec,
-        wan=wan,
-        lan_reduce=lan_reduce,
-    )
-    wrap(optimizer, engine)
-    engine.start()
+        err = None
+    except GeompiError as e:  # on every worker alike, or on some only (one model in float64)
+        err = e
+    settings = None
+    if err is None:  # what must agree across workers, or they hang in each other's rounds
+        args = (sync, bucket_mb, max_grad_norm, backward_passes_per_step, wan, lan_reduce)
+        settings = _call_settings(optimizer, model, *args)
+    with callwatch.call("DistributedOptimizer"):
+        session.agree(s, err, "DistributedOptimizer", settings)
+        engine = Synchronizer(
+            optimizer,
+            model,
+            resolve(sync),
+            s,
+            bucket_mb=bucket_mb,
+            max_grad_norm=max_grad_norm,
+            passes=backward_passes_per_step,
+            server_spec=server_spec,
+            wan=wan,
+            lan_reduce=lan_reduce,
+        )
+        wrap(optimizer, engine)
+        engine.start()
     return optimizer
+
+
+def _call_settings(optimizer, model, sync, bucket_mb, max_grad_norm, passes, wan, lan_reduce):
+    """What every worker must pass alike to DistributedOptimizer (JSON): the arguments, the
+    optimizer's class and groups, and each parameter's and buffer's name, shape, dtype,
+    trainability and group."""
+    group = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
+    return {
+        "sync": repr(resolve(sync)),
+        "bucket_mb": bucket_mb,
+        "max_grad_norm": max_grad_norm,
+        "backward_passes_per_step": passes,
+        "wan settings": wan,
+        "lan_reduce": lan_reduce,
+        "optimizer": [type(optimizer).__name__, len(optimizer.param_groups)],
+        "model": [
+            [n, list(p.shape), str(p.dtype), p.requires_grad, group.get(id(p), -1)]
+            for n, p in model.named_parameters()
+        ],
+        "buffers": [[n, list(b.shape), str(b.dtype)] for n, b in model.named_buffers()],
+    }
 
 
 def wrap(optimizer: torch.optim.Optimizer, engine: Synchronizer) -> torch.optim.Optimizer:
@@ -272,7 +302,8 @@ class _Distributed:
         Returns the job's report on the master worker (None elsewhere): bytes per link class,
         the peak WAN bytes of one round, every worker's wait and wall seconds.
         """
-        self._geompi.close()
+        with callwatch.call("opt.close"):
+            self._geompi.close()
         return self._geompi.report
 
     geompi_close = close  # what geompi.session calls, whatever the optimizer defines

@@ -9,6 +9,7 @@ worker when the DistributedOptimizer is built), serve rounds until the workers c
 from __future__ import annotations
 
 import atexit
+import hashlib
 import json
 import sys
 import time
@@ -16,11 +17,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from geompi import callwatch
 from geompi.comm import faults, heartbeat
 from geompi.comm.topology import Communicators, Role, Topology
 from geompi.comm.transport import LinkStats
 from geompi.config import RunConfig, make_config
-from geompi.errors import ConfigError, GeompiError
+from geompi.errors import ConfigError, GeompiError, ProtocolError
 
 # Settings of ``init()`` that come from RunConfig (keywords override GEOMPI_* variables).
 INIT_SETTINGS = (
@@ -136,6 +138,8 @@ def init(comm=None, **settings) -> Session:
     if topo.role(rank) is Role.WORKER:
         _session.device = worker_device(comms.workers)
         atexit.register(_finish_at_exit)
+        if cfg.on_failure != "continue":  # a recovery replaces the workers' communicator
+            callwatch.start(comms.all_workers, _rounds_begun, _report_mismatch)
         return _session
     _serve(_session)
     _stop_heartbeat(_session)
@@ -219,10 +223,27 @@ def finish() -> None:
     s = current()
     if s.finished:
         return
-    s.send_job({"sync": None}, None)
+    with callwatch.call("geompi.finish"):
+        s.send_job({"sync": None}, None)
     s.finished = True
+    callwatch.stop()
     _stop_heartbeat(s)
     s.comms.free()
+
+
+def _rounds_begun() -> int:
+    """The training rounds this worker's DistributedOptimizer has begun (callwatch)."""
+    opt = _session.optimizer if _session is not None else None
+    engine = getattr(opt, "_geompi", None)
+    return engine.client.round_id if engine is not None else 0
+
+
+def _report_mismatch(msg: str) -> None:
+    """Workers waiting for each other in different calls (callwatch's thread): one line,
+    then every rank stops."""
+    from geompi.runtime import abort
+
+    abort(ProtocolError(msg))
 
 
 def _stop_heartbeat(s: Session) -> None:
@@ -236,13 +257,63 @@ def _stop_heartbeat(s: Session) -> None:
 
 
 def exit_identically(s: Session, err: GeompiError) -> None:
-    """An error every worker raised alike (bad arguments): the master prints it, every worker
-    exits with status 2 (the launcher then stops the servers)."""
-    from geompi.runtime import exit_together
+    """An error every worker raised alike (bad arguments): the master prints it and aborts
+    the job with status 2, servers included (they serve inside ``geompi.init``, and under a
+    plain ``mpirun python script.py`` workers that exit leave them waiting for ever)."""
+    from geompi.runtime import abort
 
     s.finished = True  # no collective goodbye at exit
-    heartbeat.stop()  # no helper thread inside MPI calls while the process exits
-    exit_together(err, s.rank, s.comms.all_workers)
+    if s.rank == 0:
+        abort(err, code=2)
+    s.comms.all_workers.Barrier()  # never completes: the master's abort ends this process
+    raise err  # pragma: no cover
+
+
+def agree(s: Session, err: GeompiError | None, what: str, settings: object = None) -> None:
+    """Collective over the workers, before a call's first message to the servers: if any
+    worker failed its checks, or ``settings`` (JSON-able: what must be the same on every
+    worker) differ between them, the master prints one line and every rank stops, status 2.
+    Errors only some workers see (one worker's model in float64) no longer hang the rest."""
+    text = None if err is None else str(err)
+    mine = json.dumps(settings, sort_keys=True, default=repr)
+    digest = hashlib.sha256(mine.encode()).hexdigest()
+    rows = s.comms.all_workers.allgather([text, digest])
+    failed = [(w, t) for w, (t, _) in enumerate(rows) if t]
+    if failed:
+        w, text = failed[0]
+        alike = len(failed) == len(rows) and all(t == text for _, t in failed)
+        problem = text if alike else f"{text} (on worker {', '.join(str(f) for f, _ in failed)})"
+        exit_identically(s, ConfigError(problem))
+    if len({d for _, d in rows}) == 1:
+        return
+    everyone = [json.loads(d) for d in s.comms.all_workers.allgather(mine)]
+    exit_identically(s, ConfigError(_first_difference(what, everyone)))
+
+
+def _first_difference(what: str, everyone: list) -> str:
+    """The first setting in which a worker differs from worker 0, as one line."""
+    first = everyone[0]
+    for w, other in enumerate(everyone[1:], 1):
+        if other == first:
+            continue
+        for key in sorted(set(first) | set(other)):
+            a, b = first.get(key), other.get(key)
+            if a == b:
+                continue
+            if isinstance(a, list) and isinstance(b, list):
+                pairs = [(x, y) for x, y in zip(a, b) if x != y]
+                a, b = pairs[0] if pairs else (f"{len(a)} entries", f"{len(b)} entries")
+            return (
+                f"{what}: worker {w}'s {key} differs from worker 0's ({_brief(b)} vs "
+                f"{_brief(a)}): every worker must call it with the same model, optimizer "
+                "and arguments"
+            )
+    return f"{what}: the workers' settings differ"  # pragma: no cover
+
+
+def _brief(value: object) -> str:
+    text = json.dumps(value) if not isinstance(value, str) else value
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def stop_identically(s: Session, err: GeompiError) -> None:

@@ -17,6 +17,7 @@ import torch
 
 from geompi import ckpt
 from geompi.errors import CheckpointError, ConfigError, GeompiError
+from geompi.optimizer_json import check_checkpoint
 
 _GROUPS = "param_groups"  # optimizer attribute: the param groups, params as names (JSON)
 _NONE = "none_states"  # optimizer attribute: [param name, state name] whose value was None
@@ -198,6 +199,7 @@ def load(
 def _restore(ck: ckpt.Checkpoint, model: torch.nn.Module, optimizer, engine, s) -> dict | None:
     """This worker's part of a load (no collective call): the model, the optimizer's own
     state; returns what the global servers are to hold (see ``split_held``)."""
+    check_checkpoint(ck, param_names(model, optimizer), optimizer)  # untrusted JSON, counters
     try:
         model.load_state_dict(ck.model, strict=True)
     except RuntimeError as e:

@@ -139,6 +139,68 @@ def test_server_spec_reads_the_users_optimizer():
         MixedSync(dcasgd=True).server_spec(torch.optim.SGD(p, lr=0.3, momentum=0.9))
 
 
+def test_server_spec_carries_maximize_and_decoupled_weight_decay():
+    """Issue 34 item 6: the servers' spec carries the flags their torch step implements."""
+    p = [torch.nn.Parameter(torch.zeros(3))]
+    assert server_spec(torch.optim.SGD(p, lr=0.1, maximize=True), "X").maximize
+    assert server_spec(torch.optim.AdamW(p, maximize=True), "X").maximize
+    adam = server_spec(torch.optim.Adam(p, decoupled_weight_decay=True, weight_decay=0.1), "X")
+    assert adam.decoupled_weight_decay and adam.weight_decay == 0.1
+    assert server_spec(torch.optim.AdamW(p), "X").decoupled_weight_decay
+    assert not server_spec(torch.optim.Adam(p), "X").decoupled_weight_decay
+    # how torch computes a step, not what: the servers run the single-tensor step anyway
+    for flags in ({"foreach": True}, {"foreach": False}, {"fused": True}, {"capturable": True}):
+        assert server_spec(torch.optim.Adam(p, **flags), "X") == Adam()
+    sched = torch.optim.SGD(p, lr=0.1)  # a scheduler's keys, and the user's own, are no options
+    torch.optim.lr_scheduler.OneCycleLR(sched, max_lr=0.1, total_steps=10)
+    sched.param_groups[0]["name"] = "body"
+    assert isinstance(server_spec(sched, "X"), SGD)
+
+
+@pytest.mark.parametrize(
+    "make, words",
+    [
+        (lambda p: torch.optim.Adam(p, amsgrad=True), "Adam's amsgrad=True"),
+        (lambda p: torch.optim.AdamW(p, amsgrad=True), "AdamW's amsgrad=True"),
+        (lambda p: torch.optim.SGD(p, lr=0.1, differentiable=True), "differentiable=True"),
+        (lambda p: torch.optim.Adam(p, differentiable=True), "differentiable=True"),
+    ],
+)
+def test_server_spec_refuses_every_option_the_servers_would_drop(make, words):
+    """Every key of every param group is compared with what the servers implement; an option
+    they do not is one line naming it and its value."""
+    p = [torch.nn.Parameter(torch.zeros(3))]
+    opt = make(p)
+    for algo in (FSA(optimizer="servers"), MixedSync()):
+        with pytest.raises(ConfigError) as exc:
+            algo.server_spec(opt)
+        assert words in str(exc.value) and "\n" not in str(exc.value), exc.value
+    # in a second param group only, too
+    two = type(opt)([{"params": p}, {"params": [torch.nn.Parameter(torch.zeros(1))]}])
+    two.param_groups[1].update({k: v for k, v in opt.param_groups[0].items() if k != "params"})
+    with pytest.raises(ConfigError, match=words.split("'s ")[-1]):
+        FSA(optimizer="servers").server_spec(two)
+
+
+def test_an_option_the_servers_do_not_carry_passes_at_its_default_only(monkeypatch):
+    """The rule for any option outside CARRIED (one a later torch adds): refused unless it
+    holds the constructor's default. Shown on dampening, taken out of CARRIED here."""
+    from geompi.sync import fsa
+
+    sgd = torch.optim.SGD
+    monkeypatch.setitem(fsa.CARRIED, sgd, fsa.CARRIED[sgd] - {"dampening"})
+    p = [torch.nn.Parameter(torch.zeros(3))]
+    assert isinstance(server_spec(sgd(p, lr=0.1, momentum=0.9), "X"), SGD)
+    with pytest.raises(ConfigError, match="SGD's dampening=0.5"):
+        server_spec(sgd(p, lr=0.1, momentum=0.9, dampening=0.5), "X")
+
+
+def test_dcasgd_refuses_maximize():
+    p = [torch.nn.Parameter(torch.zeros(3))]
+    with pytest.raises(ConfigError, match="maximize=True"):
+        MixedSync(dcasgd=True).server_spec(torch.optim.SGD(p, lr=0.1, maximize=True))
+
+
 @pytest.mark.parametrize(
     "make",
     [
@@ -186,3 +248,31 @@ def test_load_refuses_another_optimizer_class(tmp_path):
     geompi.save(tmp_path / "a.h5", model=net, optimizer=torch.optim.SGD(net.parameters(), lr=1))
     with pytest.raises(CheckpointError, match="holds 'SGD' optimizer state"):
         geompi.load(tmp_path / "a.h5", model=net, optimizer=torch.optim.Adam(net.parameters()))
+
+
+def test_callwatch_names_only_places_that_can_never_meet():
+    """Issue 35 item 2: workers waiting in different collective calls, or one in a call while
+    another waits in a round beyond those the first began, are a mismatch; a worker still in
+    the round the others already pushed, or the same call, is not (however long it takes)."""
+    from geompi.callwatch import LABELS, Place, conflict
+
+    save, finish = LABELS.index("geompi.save"), LABELS.index("geompi.finish")
+    assert conflict(Place(save, 2, 4), Place(finish, 2, 4))  # save alone, the rest finish
+    assert conflict(Place(save, 2, 4), Place(0, 1, 5))  # save alone, the rest train on
+    assert conflict(Place(0, 1, 6), Place(finish, 2, 5))  # one worker stopped a step early
+    assert not conflict(Place(save, 2, 4), Place(save, 2, 4))  # the master writes a big file
+    assert not conflict(Place(save, 2, 4), Place(0, 1, 4))  # a slow pull of the last round
+    assert not conflict(Place(save, 3, 4), Place(finish, 2, 4))  # one call apart: passing
+    assert not conflict(Place(0, 1, 4), Place(0, 1, 5))  # rounds: the servers match those
+
+
+def test_agree_names_the_first_setting_a_worker_differs_in():
+    from geompi.session import _first_difference
+
+    a = {"bucket_mb": 1.0, "model": [["w", [2, 3], "torch.float32", True, 0]]}
+    b = {"bucket_mb": 1.0, "model": [["w", [3, 3], "torch.float32", True, 0]]}
+    msg = _first_difference("DistributedOptimizer", [a, a, b])
+    assert msg.startswith("DistributedOptimizer: worker 2's model differs from worker 0's")
+    assert "[3, 3]" in msg and "[2, 3]" in msg and "\n" not in msg
+    msg = _first_difference("X", [a, {**a, "bucket_mb": 0.5}])
+    assert "worker 1's bucket_mb differs from worker 0's (0.5 vs 1.0)" in msg

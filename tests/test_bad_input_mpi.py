@@ -224,3 +224,33 @@ def test_nonfinite_gradient_skip_keeps_training(tmp_path):
     summary = [json.loads(x) for x in metrics.read_text().splitlines()][-1]
     assert summary["skipped_nonfinite"] == 1 and summary["steps"] == 10
     assert summary["test_acc"] > 0.1  # the model stayed finite
+
+
+# ---- the public API under the README's own launch: ``mpirun -n N python script.py`` ---------
+# (issue 35 item 2). Without ``-m mpi4py`` a worker that exits leaves the servers serving inside
+# geompi.init for ever, and mismatched calls between workers printed nothing at all.
+API_HANG_CASES = {
+    # mode: (algorithm, words the one line must contain)
+    "sync42": ("fsa", ["sync=42"]),
+    "hfa_k1_0": ("fsa", ["HFA(k1=0)"]),
+    "bucket0": ("fsa", ["bucket_mb=0"]),
+    "float64": ("fsa", ["is torch.float64", "(on worker 1)"]),
+    "save_alone": ("fsa", ["worker 0 waits in geompi.save", "worker 1 waits in a training round"]),
+    "save_alone-hfa": ("hfa", ["worker 0 waits in geompi.save", "in a training round"]),
+    "save_vs_finish": ("fsa", ["worker 0 waits in geompi.save", "waits in geompi.finish"]),
+}
+API_HANG_TIMEOUT = 150  # a normal run of this job took 51 s on a 2-core machine at load 20
+
+
+@pytest.mark.parametrize("case", sorted(API_HANG_CASES))
+def test_api_mistakes_end_every_rank_under_plain_mpirun(case, tmp_path):
+    from tests.mpirun import prog
+
+    algo, words = API_HANG_CASES[case]
+    mode = case.split("-")[0]
+    res = mpirun(6, [prog("api_hang.py"), str(tmp_path), mode, algo], API_HANG_TIMEOUT, check=False)
+    lines = error_lines(res.stderr)
+    assert res.returncode != 0, res.stdout[-2000:] + res.stderr[-3000:]
+    assert len(lines) == 1 and all(w in lines[0] for w in words), res.stderr[-3000:]
+    assert "Traceback" not in res.stderr
+    assert "done" not in res.stdout

@@ -43,14 +43,26 @@ def torch_reference(spec, value: torch.Tensor) -> tuple[torch.nn.Parameter, torc
             weight_decay=spec.weight_decay,
             nesterov=spec.nesterov,
             dampening=spec.dampening,
+            maximize=spec.maximize,
         )
     elif isinstance(spec, AdamW):
         opt = torch.optim.AdamW(
-            [p], lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay
+            [p],
+            lr=spec.lr,
+            betas=spec.betas,
+            eps=spec.eps,
+            weight_decay=spec.weight_decay,
+            maximize=spec.maximize,
         )
     else:
         opt = torch.optim.Adam(
-            [p], lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay
+            [p],
+            lr=spec.lr,
+            betas=spec.betas,
+            eps=spec.eps,
+            weight_decay=spec.weight_decay,
+            maximize=spec.maximize,
+            decoupled_weight_decay=spec.decoupled_weight_decay,
         )
     return p, opt
 
@@ -71,6 +83,11 @@ TORCH_SPECS = [
     Adam(lr=3e-3, betas=(0.8, 0.99), eps=1e-6, weight_decay=1e-2),
     AdamW(lr=1e-3),
     AdamW(lr=2e-3, weight_decay=0.1),
+    # torch flags the servers carry (issue 34 item 6)
+    SGD(lr=0.05, momentum=0.9, weight_decay=1e-3, maximize=True),
+    Adam(lr=3e-3, weight_decay=1e-2, maximize=True),
+    Adam(lr=3e-3, weight_decay=0.1, decoupled_weight_decay=True),
+    AdamW(lr=2e-3, weight_decay=0.1, maximize=True),
 ]
 
 

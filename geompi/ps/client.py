@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from geompi import callwatch
 from geompi.comm.transport import Link, Requests
 from geompi.ps.protocol import (
     TAG_DATA,
@@ -133,6 +134,10 @@ class PSClient:
         """Complete the round. In a scattered one: sum the slices the peers sent and push
         that, wait for the local server, then exchange the result's slices with the peers.
         The sum runs in worker order, as the local server's does, so both give the same bits."""
+        with callwatch.round_wait(self.round_id):  # a worker of geompi.init's: watched
+            self._wait(reqs)
+
+    def _wait(self, reqs: Requests) -> None:
         pushes, self._pushes = self._pushes, []  # a second wait of the round pushes nothing
         if pushes:
             self._peers.wait()

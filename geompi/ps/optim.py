@@ -33,17 +33,20 @@ class SGD:
     weight_decay: float = 0.0
     nesterov: bool = False
     dampening: float = 0.0
+    maximize: bool = False
     name: str = field(default="sgd", init=False)
 
 
 @dataclass
 class Adam:
-    """Adam, as ``torch.optim.Adam``."""
+    """Adam, as ``torch.optim.Adam`` (``decoupled_weight_decay``: AdamW's rule, as torch's)."""
 
     lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.0
+    maximize: bool = False
+    decoupled_weight_decay: bool = False
     name: str = field(default="adam", init=False)
 
 
@@ -52,6 +55,7 @@ class AdamW(Adam):
     """AdamW (decoupled weight decay), as ``torch.optim.AdamW``."""
 
     weight_decay: float = 1e-2
+    decoupled_weight_decay: bool = True
     name: str = field(default="adamw", init=False)
 
 
@@ -368,6 +372,7 @@ class ServerOptimizer:
 def _hyperparameters(spec: Spec) -> dict:
     """A spec's values as a torch param group holds them."""
     fields = ("lr", "momentum", "weight_decay", "nesterov", "dampening", "betas", "eps")
+    fields += ("maximize", "decoupled_weight_decay")
     return {f: getattr(spec, f) for f in fields if hasattr(spec, f)}
 
 
@@ -436,7 +441,6 @@ class ServerTorchStep:
         if isinstance(spec, DCASGD):
             raise ConfigError("DCASGD is stepped by ServerOptimizer itself: this is a geompi bug")
         self.adam = not isinstance(spec, SGD)
-        self.decoupled = isinstance(spec, AdamW)
         self.param_groups: list[dict] = []
         self.state: defaultdict[torch.Tensor, dict] = defaultdict(dict)
         self.add_param_group({"params": params, **_hyperparameters(spec)})
@@ -458,7 +462,7 @@ class ServerTorchStep:
             sgd(
                 params, grads, bufs, foreach=False, weight_decay=g["weight_decay"],
                 momentum=momentum, lr=g["lr"], dampening=g["dampening"],
-                nesterov=g["nesterov"], maximize=False,
+                nesterov=g["nesterov"], maximize=g["maximize"],
             )  # fmt: skip
             for p, buf in zip(params, bufs):  # the buffers torch made on the first step
                 self.state[p]["momentum_buffer"] = buf
@@ -476,8 +480,9 @@ class ServerTorchStep:
         adam(
             params, grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
             [], [s["step"] for s in states], foreach=False,
-            decoupled_weight_decay=self.decoupled, amsgrad=False, beta1=beta1, beta2=beta2,
-            lr=g["lr"], weight_decay=g["weight_decay"], eps=g["eps"], maximize=False,
+            decoupled_weight_decay=g["decoupled_weight_decay"], amsgrad=False, beta1=beta1,
+            beta2=beta2, lr=g["lr"], weight_decay=g["weight_decay"], eps=g["eps"],
+            maximize=g["maximize"],
         )  # fmt: skip
 
 
@@ -489,4 +494,10 @@ def torch_optimizer(spec: Spec, params) -> torch.optim.Optimizer:
         cls = torch.optim.SGD
     else:
         cls = torch.optim.AdamW if isinstance(spec, AdamW) else torch.optim.Adam
-    return cls(params, **_hyperparameters(spec), foreach=False)
+    hyper = _hyperparameters(spec)
+    decoupled = hyper.pop("decoupled_weight_decay", None)  # AdamW's constructor lacks it
+    opt = cls(params, **hyper, foreach=False)
+    if decoupled is not None:
+        for g in opt.param_groups:
+            g["decoupled_weight_decay"] = decoupled
+    return opt

@@ -11,6 +11,7 @@ Server side: the synchronous local and global servers, one round per step.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -119,9 +120,32 @@ def server_spec(optimizer: torch.optim.Optimizer, who: str) -> Spec:
     return group_spec(optimizer, optimizer.param_groups[0], who)
 
 
+# What the global servers do with each option (constructor argument) of torch's SGD, Adam and
+# AdamW, as a param group holds it. Carried: the servers run torch's functional step with it.
+# Ignored: how torch computes the step (one kernel per tensor, foreach, fused, CUDA-graph
+# capturable), not what it computes; the servers always run the single-tensor CPU step. Any other
+# option (amsgrad, differentiable, or one a later torch adds) is refused unless it holds the
+# constructor's default, as the servers would otherwise step without it and say nothing.
+_ADAM = frozenset(("lr", "betas", "eps", "weight_decay", "maximize", "decoupled_weight_decay"))
+CARRIED = {
+    torch.optim.SGD: frozenset(
+        ("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize")
+    ),
+    torch.optim.Adam: _ADAM,
+    torch.optim.AdamW: _ADAM,
+}
+IGNORED = frozenset({"foreach", "fused", "capturable"})
+
+
 def group_spec(optimizer: torch.optim.Optimizer, g: dict, who: str) -> Spec:
     """The spec of one param group of a user's optimizer, for the global servers to run."""
     kind = getattr(optimizer, "_geompi_base", type(optimizer))  # the user's class
+    if kind not in CARRIED:
+        raise ConfigError(
+            f"{who} runs the optimizer on the global servers, which know torch.optim.SGD, Adam "
+            f"and AdamW; got {kind.__name__}: use one of those, or sync='fsa'/'hfa'"
+        )
+    _refuse_options(kind, optimizer, g, who)
     if kind is torch.optim.SGD:
         return SGD(
             lr=float(g["lr"]),
@@ -129,16 +153,40 @@ def group_spec(optimizer: torch.optim.Optimizer, g: dict, who: str) -> Spec:
             weight_decay=float(g["weight_decay"]),
             nesterov=bool(g["nesterov"]),
             dampening=float(g["dampening"]),
+            maximize=bool(g.get("maximize", False)),
         )
-    if kind in (torch.optim.Adam, torch.optim.AdamW) and not g.get("amsgrad"):
-        cls = AdamW if kind is torch.optim.AdamW else Adam
-        return cls(
-            lr=float(g["lr"]),
-            betas=tuple(float(b) for b in g["betas"]),
-            eps=float(g["eps"]),
-            weight_decay=float(g["weight_decay"]),
-        )
-    raise ConfigError(
-        f"{who} runs the optimizer on the global servers, which know torch.optim.SGD, Adam and "
-        f"AdamW (without amsgrad); got {kind.__name__}: use one of those, or sync='fsa'/'hfa'"
+    cls = AdamW if kind is torch.optim.AdamW else Adam
+    return cls(
+        lr=float(g["lr"]),
+        betas=tuple(float(b) for b in g["betas"]),
+        eps=float(g["eps"]),
+        weight_decay=float(g["weight_decay"]),
+        maximize=bool(g.get("maximize", False)),
+        decoupled_weight_decay=bool(g.get("decoupled_weight_decay", cls is AdamW)),
     )
+
+
+def _refuse_options(kind: type, optimizer: torch.optim.Optimizer, g: dict, who: str) -> None:
+    """Refuse, in one line, an option of the group that the servers would drop. A key that is
+    no option of the class (a scheduler's ``initial_lr``, a user's own label) is not read by
+    torch's step either, so it passes."""
+    options = inspect.signature(kind).parameters
+    known = set(getattr(optimizer, "defaults", {})) | set(options)
+    for key, value in g.items():
+        if key == "params" or key in CARRIED[kind] or key in IGNORED or key not in known:
+            continue
+        default = options[key].default if key in options else inspect.Parameter.empty
+        if default is not inspect.Parameter.empty and _same(value, default):
+            continue
+        raise ConfigError(
+            f"{who} runs the optimizer on the global servers, which do not implement "
+            f"{kind.__name__}'s {key}={value!r}: leave {key} at its default, or use "
+            "sync='fsa'/'hfa' (the workers step with torch itself)"
+        )
+
+
+def _same(value: object, default: object) -> bool:
+    try:
+        return bool(value == default)
+    except (RuntimeError, TypeError, ValueError):  # a tensor of several values
+        return False

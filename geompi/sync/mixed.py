@@ -69,6 +69,11 @@ class MixedSync(Algorithm):
                 "MixedSync(dcasgd=True) takes its lr from a torch.optim.SGD without "
                 "momentum: build torch.optim.SGD(params, lr=...)"
             )
+        if spec.maximize:
+            raise ConfigError(
+                "MixedSync(dcasgd=True) does not implement SGD's maximize=True: minimize the "
+                "negated loss instead"
+            )
         dcasgd = DCASGD(
             lr=spec.lr,
             lam=self.dcasgd_lambda,

@@ -105,6 +105,17 @@ def make_optimizer(
             model.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3
         )
         return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.3 * s))
+    if kind == "srv_max_sgd":  # torch's flags the servers carry (issue 34 item 6)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, maximize=True)
+        return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    if kind in ("srv_max_adam", "srv_max_adamw"):
+        cls = torch.optim.Adam if kind == "srv_max_adam" else torch.optim.AdamW
+        return cls(param_groups(model, kind), lr=5e-3, weight_decay=1e-2, maximize=True), None
+    if kind == "srv_decoupled_adam":
+        opt = torch.optim.Adam(
+            model.parameters(), lr=5e-3, weight_decay=0.2, decoupled_weight_decay=True
+        )
+        return opt, None
     if kind == "srv_adamw":
         opt = torch.optim.AdamW(model.parameters(), lr=5e-3, weight_decay=0.05)
         return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
