@@ -67,7 +67,7 @@ _wrapped: dict = {}
 def __getattr__(name: str):
     if name in _COLLECTIVE:
         if name not in _wrapped:
-            from geompi import callwatch
+            from geompi.comm import callwatch
 
             fn = getattr(importlib.import_module(_LAZY[name]), name)
             _wrapped[name] = callwatch.collective(_COLLECTIVE[name], fn)

@@ -23,8 +23,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from geompi import callwatch
-from geompi.comm import faults
+from geompi.comm import callwatch, faults
 from geompi.comm.buckets import Buckets
 from geompi.comm.buffers import all_finite
 from geompi.comm.compression import make_compressor

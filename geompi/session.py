@@ -17,8 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from geompi import callwatch
-from geompi.comm import faults, heartbeat
+from geompi.comm import callwatch, faults, heartbeat
 from geompi.comm.topology import Communicators, Role, Topology
 from geompi.comm.transport import LinkStats
 from geompi.config import RunConfig, make_config

@@ -254,7 +254,7 @@ def test_callwatch_names_only_places_that_can_never_meet():
     """Issue 35 item 2: workers waiting in different collective calls, or one in a call while
     another waits in a round beyond those the first began, are a mismatch; a worker still in
     the round the others already pushed, or the same call, is not (however long it takes)."""
-    from geompi.callwatch import LABELS, Place, conflict
+    from geompi.comm.callwatch import LABELS, Place, conflict
 
     save, finish = LABELS.index("geompi.save"), LABELS.index("geompi.finish")
     assert conflict(Place(save, 2, 4), Place(finish, 2, 4))  # save alone, the rest finish

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from geompi import callwatch
+from geompi.comm import callwatch
 from geompi.comm.transport import Link, Requests
 from geompi.ps.protocol import (
     TAG_DATA,
