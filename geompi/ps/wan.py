@@ -1,8 +1,10 @@
 """The global tier's WAN settings, and how its data rounds are compressed on either side.
 
 Push (local server -> global servers): a datacenter's gradient sum, compressed with error
-feedback per key slice; or for an HFA average, its weighted parameter sum less
-``weight x replica``, where what compression leaves out stays in the datacenter's model.
+feedback per key slice (a parameter none of its workers had a gradient for stays out of the
+push and keeps its residual: the global servers would not step it); or for an HFA average,
+its weighted parameter sum less ``weight x replica``, where what compression leaves out stays
+in the datacenter's model.
 Pull (global servers -> local servers): the change of the global values since what the
 datacenters last received (their *replica*), compressed; both ends add the same decoded change
 to their replica, so what a compressor drops now goes out with the next pull (error feedback
