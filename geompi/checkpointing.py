@@ -434,6 +434,26 @@ class Checkpointing:
         barrier_before_collective(w.comms.all_workers, w.cfg.comm_timeout, "every worker to start")
         self.starts = w.comms.all_workers.gather(mine, root=0)
 
+    def rejoin(self, loss: faults.Loss) -> None:
+        """After a recovery (``--on-failure continue``): the starts of the surviving workers
+        alone, their datacenters numbered as the global servers' cut now numbers them."""
+        if self.starts is None:
+            return
+        before = loss.before
+        ranks = before.all_workers  # the starts' order: all_workers, as it was
+        if len(ranks) != len(self.starts):
+            raise CheckpointError(
+                f"{len(self.starts)} workers' starts recorded for {len(ranks)} workers: this is "
+                "a geompi bug; resume from an earlier checkpoint and report it"
+            )
+        kept = [d for d in range(before.num_dcs) if d not in loss.left_dcs]
+        number = {d: i for i, d in enumerate(kept)}
+        self.starts = [
+            {**st, "dc": number[st["dc"]]}
+            for r, st in zip(ranks, self.starts)
+            if r not in loss.lost and st["dc"] in number
+        ]
+
     # ---- saving ---------------------------------------------------------------------------
     def save(self, step: int, metrics: dict, final: bool = False) -> pathlib.Path | None:
         """Every worker of ``w.group`` calls this at the same step; the master writes the file.

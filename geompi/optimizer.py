@@ -472,6 +472,7 @@ class Synchronizer:
         dc = session.topo.dc_of(session.rank)
         first = session.topo.workers(dc)[0] == session.rank if dc is not None else False
         self.spec_sender = self.master or (algo.independent_dcs and first)
+        self.dc_first = first
         # what the servers' optimizer last heard from this worker (the INIT spec is the
         # master's, so another datacenter's first worker sends its own with its first round)
         self.sent_spec = server_spec if self.master else None
@@ -629,6 +630,9 @@ class Synchronizer:
         import json
 
         payload = json.dumps(spec, sort_keys=True).encode() if spec and self.master else None
+        if spec and "layout" in spec and self.dc_first and not self.master:
+            # every local server's codec needs the layout (idle parameters keep their residual)
+            payload = json.dumps({"layout": spec["layout"]}).encode()
         reqs = self.client.start(Op.INIT, self.keys(), spec=payload)
         for b in self.buckets:
             if self.master:

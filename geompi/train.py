@@ -164,6 +164,7 @@ class Worker:
             self.group = self.comms.workers if self.algo.independent_dcs else self.comms.all_workers
             stop.rejoin(self.group)
             self.client = self.engine.client
+            self.ckpt.rejoin(loss)  # MixedSync: the lost workers leave the checkpoints' cut
 
         self.engine.rejoined = rejoined
         loss_fn = torch.nn.CrossEntropyLoss()

@@ -3,6 +3,8 @@ survivors finish with exit 0, equal to an independent simulation that drops the 
 datacenter at that step."""
 
 import json
+import subprocess
+import sys
 
 import h5py
 import pytest
@@ -483,6 +485,38 @@ def test_the_public_api_survives_a_lost_datacenter_under_mixedsync(tmp_path):
     from tests.progs.api_common import make_model
 
     assert max_abs_diff(final, make_model(seed=1).state_dict()) > 1e-3  # it trained
+
+
+def test_mixedsync_checkpoints_go_on_through_a_lost_datacenter(tmp_path):
+    """Issue #35, 3: MixedSync (the CLI, checkpoints every 4 steps) loses the local server of
+    datacenter 2 at step 4. The checkpoint after the loss counted its workers still, whose
+    datacenter the global servers' cut no longer lists: IndexError, the job aborted. Now the
+    job ends with exit 0 and every checkpoint after the loss verifies and holds the progress
+    of the 3 surviving workers (datacenter 0's two at the checkpoint's step)."""
+    ck = tmp_path / "ck"
+    env = {**ULFM_ENV, "GEOMPI_FAULT_KILL_AT": "4:7"}
+    args = [prog("dc_lost.py"), "mixed", str(tmp_path), "12", str(ck)]
+    res = mpirun(10, args, 180, env=env, launcher=ULFM, check=False)
+    assert res.returncode == 0, res.stderr[-3000:]
+    (line,) = [ln for ln in res.stderr.splitlines() if ln.startswith("geompi: lost")]
+    assert "7 (local server of datacenter 2) at step " in line and "datacenter(s) 2 left" in line
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == 12 and len(summary["failures"]) == 1
+    names = sorted(p.name for p in ck.iterdir())
+    assert names[-2:] == ["ckpt-00000008.h5", "ckpt-00000012.h5"], names
+    for name in names[-2:]:
+        r = subprocess.run(
+            [sys.executable, "-m", "geompi.ckpt", "verify", str(ck / name)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert r.returncode == 0, f"verify {name}: {r.stdout}{r.stderr}"
+        with h5py.File(ck / name) as f:
+            assert json.loads(f.attrs["topology"])["dc_sizes"] == [3, 2]
+            steps = f["progress/steps"][()].tolist()
+        step = int(name[5:13])
+        assert len(steps) == 3 and steps[:2] == [step, step], (name, steps)
 
 
 # Open MPI's heartbeat on its own thread, as make train and GEOMPI_FT=1 launch --on-failure continue

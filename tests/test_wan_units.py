@@ -214,6 +214,27 @@ def test_error_feedback_discard_keeps_a_skipped_rounds_residuals():
     assert torch.equal(sent, torch.tensor([0.0, 1.0]))
 
 
+def test_an_idle_parameter_keeps_its_residual_out_of_the_payload():
+    """Issue #34, 3: one key [b, a], top-1 of 2; b gets no gradient at a step (the servers
+    do not step it). Its residual must stay out of that step's payload and stay whole."""
+    codec = TierCodec(TopKCompressor(0.5))
+    codec.set_layout([[0, [["b", 0, 1], ["a", 1, 1]]]])
+    ef = codec.feedback
+    codec.set_presence(torch.tensor([1.0, 1.0]))
+    ef.compressor.decompress(codec.encode_push("k", torch.tensor([0.1, 1.0])), 2)
+    ef.commit()  # b's 0.1 is left over
+    codec.set_presence(torch.tensor([0.0, 1.0]))  # b idle
+    idle = codec.idle(0, 0, 2)
+    assert idle is not None and idle.tolist() == [True, False]
+    assert codec.idle(0, 1, 2) is None  # a shard holding only a
+    sent = ef.compressor.decompress(codec.encode_push("k", torch.tensor([0.0, 0.05]), idle=idle), 2)
+    ef.commit()
+    assert sent.tolist() == pytest.approx([0.0, 0.05])  # b's 0.1 would have won top-1
+    assert ef.residual["k"].tolist() == pytest.approx([0.1, 0.0])
+    codec.set_presence(torch.tensor([2.0, 1.0]))
+    assert codec.present is None and codec.idle(0, 0, 2) is None
+
+
 def test_fp16_pull_beyond_its_range_keeps_the_replicas_equal_and_finite():
     """The pull direction: a global server's change since the replica can exceed 65504."""
     gs, ls = TierCodec(make_compressor("fp16")), TierCodec(make_compressor("fp16"))

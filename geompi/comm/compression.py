@@ -293,10 +293,13 @@ class ErrorFeedback:
         self.staged: dict = {}
         self._spare: dict = {}  # key -> a residual-sized buffer to reuse
 
-    def compress(self, key, x: torch.Tensor) -> torch.Tensor:
+    def compress(self, key, x: torch.Tensor, idle: torch.Tensor | None = None) -> torch.Tensor:
         """The payload for ``x`` plus this key's residual; stages the new residual.
 
-        A non-finite ``x`` (a round the local server skips) stages nothing.
+        A non-finite ``x`` (a round the local server skips) stages nothing. ``idle`` (a bool
+        mask over ``x``): values of parameters that got no gradient this round. The receiver
+        does not step them, so they are left out of the payload (sent as zeros) and keep their
+        residual for a round that steps them.
         """
         c = self.compressor
         if not c.lossy:
@@ -311,8 +314,14 @@ class ErrorFeedback:
             v.copy_(x.reshape(-1))
         else:
             torch.add(r, x.reshape(-1), out=v)
+        kept = None
+        if idle is not None:
+            kept = v[idle]  # a copy: the residual these values keep
+            v[idle] = 0.0
         payload = c.compress(v)
         self.staged[key] = v.sub_(c.decompress(payload, v.numel()))
+        if kept is not None:
+            self.staged[key][idle] = kept
         return payload
 
     def commit(self) -> None:

@@ -203,6 +203,8 @@ class AsyncUplink:
         self._respect_staleness()
         keys, bufs, flags = self.rnd.keys, self.bufs, self.rnd.flags
         pos = presence_position(self.rnd)
+        if self.sync.codec is not None:  # idle parameters keep their residual (_pack)
+            self.sync.codec.set_presence(bufs[pos] if pos is not None else None)
         if pos is not None and not bufs[pos].numel():  # all present: deposit no presence
             keys, bufs, flags = keys[:pos], bufs[:pos], flags & ~FLAG_PRESENCE
         plain = plain_positions(Round(Op.GRAD, 0, keys, 0.0, 0, flags))
@@ -386,7 +388,11 @@ class AsyncUplink:
         raw, off = out.view(torch.uint8), 0
         for i, (rkey, piece) in enumerate(self._slices(g, keys, bufs)):
             codec = _codec(self.sync.codec, i, plain)
-            data = piece if codec is None else codec.encode_push(rkey, piece)
+            if codec is None:
+                data = piece
+            else:
+                lo, hi = self.topo.shard_bounds(keys[i][1], g)
+                data = codec.encode_push(rkey, piece, idle=codec.idle(rkey[0], lo, hi))
             data = data.contiguous().view(torch.uint8)
             raw[off : off + data.numel()] = data
             off += region_bytes(codec, piece.numel())

@@ -116,8 +116,18 @@ class SyncUplink:
         self.link.stats.held(WAN, self.wan.down.hold_burst(burst, nbytes))
 
     # ---- one round ------------------------------------------------------------------------
+    @property
+    def presence_first(self) -> bool:
+        """Whether the local server must hand over a gradient round's presence key before its
+        other keys: a lossy codec leaves idle parameters out of each push (``send_key``)."""
+        return self.codec is not None and self.codec.compressor.lossy
+
     def begin(self, rnd: Round, spec: bytes | None) -> None:
         self.rnd = rnd
+        if rnd.op is Op.INIT and spec:
+            spec = self._init_spec(spec)
+        if self.codec is not None:
+            self.codec.set_presence(None)
         self.sends = self._requests()
         self.round_bytes = 0  # data bytes this round sends up (the peak is reported)
         hdr = wire_header(
@@ -132,17 +142,28 @@ class SyncUplink:
             if spec_t is not None:
                 self._send(self.sends, spec_t, gs, TAG_SPEC, control=True)
 
+    def _init_spec(self, spec: bytes) -> bytes | None:
+        """An INIT round's spec: its layout goes to the codec (every datacenter's first worker
+        sends it for that); only the master's datacenter passes the spec on to the global
+        servers, as only its values count."""
+        if self.codec is not None and b'"layout"' in spec:
+            self.codec.set_layout(json.loads(spec)["layout"])
+        return spec if sends_values(self.rnd, self.link.rank) else None
+
     def send_key(self, i: int, buf: torch.Tensor) -> None:
         if not sends_values(self.rnd, self.link.rank):  # INIT: the master's datacenter only
             return
         key, n = self.rnd.keys[i]
         ref_weight = self.rnd.weight if self.rnd.op is Op.AVG else 0.0
+        if self.codec is not None and i == presence_position(self.rnd):  # sent first
+            self.codec.set_presence(buf)
         for g, gs in enumerate(self._servers()):
             lo, hi = self.topo.shard_bounds(n, g)
             if hi > lo:
                 piece = buf[lo:hi]
                 if self._compressed(i):
-                    piece = self.codec.encode_push((key, g), piece, ref_weight)
+                    idle = self.codec.idle(key, lo, hi) if self.rnd.op is Op.GRAD else None
+                    piece = self.codec.encode_push((key, g), piece, ref_weight, idle)
                     self._keep.append(piece)
                 self._send(self.sends, piece, gs, TAG_DATA + i)
                 if self.rnd.op is not Op.INIT:  # the peak of training rounds
@@ -397,7 +418,11 @@ class LocalServer:
                 spec,
             )
         pos = presence_position(rnd)
-        for i, (total, (reqs_i, per_worker)) in enumerate(zip(bufs, incoming)):
+        order = list(range(len(bufs)))
+        if pos is not None and getattr(self.uplink, "presence_first", False):
+            order.insert(0, order.pop(pos))  # it says which values each push leaves out
+        for i in order:
+            total, (reqs_i, per_worker) = bufs[i], incoming[i]
             reqs_i.wait()
             if per_worker is None:  # scattered: the workers' summed slices landed in place
                 self._lan_hold(self.lan_port and self.lan_port.down, total.numel())
