@@ -12,12 +12,12 @@ import atexit
 import hashlib
 import json
 import sys
-import time
 from dataclasses import dataclass, field
 
 import torch
 
 from geompi.comm import callwatch, faults, heartbeat
+from geompi.comm.poll import Backoff, spin_until
 from geompi.comm.topology import Communicators, Role, Topology
 from geompi.comm.transport import LinkStats
 from geompi.config import RunConfig, make_config
@@ -366,10 +366,8 @@ def _bcast_json(comm, obj: dict | None, idle: bool = False) -> dict:
 
 def _bcast(comm, buf, idle: bool) -> None:
     """Ibcast on every rank (a blocking Bcast would not match a nonblocking one)."""
-    req, pause = comm.Ibcast(buf, root=0), 1e-4
+    req = comm.Ibcast(buf, root=0)
     if not idle:
         req.Wait()
         return
-    while not req.Test():
-        time.sleep(pause)
-        pause = min(2 * pause, 0.01)
+    spin_until(req.Test, "the workers' next job", timeout=None, backoff=Backoff(1e-4, 0.01))

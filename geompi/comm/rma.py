@@ -20,8 +20,8 @@ from collections.abc import Callable
 import numpy as np
 from mpi4py import MPI
 
-from geompi.comm import faults
-from geompi.comm.transport import WAN, LinkStats, Watchdog
+from geompi.comm.poll import Backoff, Poller
+from geompi.comm.transport import WAN, LinkStats
 
 # ctrl layout
 VERSION, TICKETS, ALL_DONE, SAVE_REQUEST = 0, 1, 2, 3
@@ -104,8 +104,7 @@ class SlotWindows:
 
     def wait_until(self, ready, what: str) -> np.ndarray:
         """Poll the counters until ``ready(ctrl)``; returns them."""
-        watch = Watchdog(self.timeout, f"{what} (from the global server)")
-        pause = 2e-5
+        poller = Poller(f"{what} (from the global server)", self.timeout, Backoff(2e-5, 2e-3))
         t0, held0 = time.perf_counter(), self.stats.held_s[WAN]
         while True:
             ctrl = self.read_ctrl()
@@ -113,11 +112,7 @@ class SlotWindows:
                 held = self.stats.held_s[WAN] - held0
                 self.stats.wait_s[WAN] += time.perf_counter() - t0 - held
                 return ctrl
-            watch.check()
-            if faults.world_revoked():  # --on-failure continue: a survivor began a recovery
-                raise faults.PeerLost(f"another rank began a recovery while waiting for {what}")
-            time.sleep(pause)
-            pause = min(pause * 2, 2e-3)
+            poller.pause()
 
     def fetch(self, dc: int, out: np.ndarray) -> None:
         """Get datacenter dc's slot (the parameters the owner left there)."""

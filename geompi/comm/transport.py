@@ -18,7 +18,7 @@ from mpi4py import MPI
 
 from geompi.comm import faults, heartbeat, messages
 from geompi.comm.buffers import Staging, host_view
-from geompi.errors import CommTimeoutError
+from geompi.comm.poll import Backoff, Watchdog, spin_until  # noqa: F401 - Watchdog re-exported
 
 LAN = "lan"
 WAN = "wan"
@@ -159,52 +159,27 @@ POLL = wait_mode() == "poll"
 YIELD_S = 2e-3
 
 
-def _test_yielding(reqs: list[MPI.Request], seconds: float) -> bool:
-    """Test ``reqs`` and yield the core between tests, for at most ``seconds``; True once
-    they completed."""
-    end = time.perf_counter() + seconds
-    while not MPI.Request.Testall(reqs):
-        if time.perf_counter() > end:
-            return False
-        os.sched_yield()
-    return True
-
-
 def wait_for(reqs: list[MPI.Request], timeout: float | None, what: str = "") -> None:
     """``Waitall``, or a polling wait that sleeps between tests (``GEOMPI_WAIT=poll``, for
     oversubscribed nodes, or with a timeout) and raises CommTimeoutError once a rank is lost:
     silent on the heartbeat for ``timeout`` seconds (geompi.comm.heartbeat), or, without a
     heartbeat, no answer for ``timeout`` seconds."""
-    if faults.watching():
-        _wait_surviving(reqs, what)
+    if faults.watching():  # --on-failure continue: PeerLost where a peer is lost
+        try:
+            spin_until(
+                lambda: MPI.Request.Testall(reqs), what, timeout=None,
+                backoff=Backoff(cap=2e-4), yield_s=YIELD_S,
+            )  # fmt: skip
+        except MPI.Exception as e:
+            raise faults.PeerLost(f"{e.Get_error_string()} while waiting for {what}") from e
         return
     if not timeout and not POLL:
         MPI.Request.Waitall(reqs)
         return
-    if _test_yielding(reqs, YIELD_S):
-        return
-    watch = Watchdog(timeout, what)
-    pause = 1e-5
-    while not MPI.Request.Testall(reqs):
-        watch.check()
-        time.sleep(pause)
-        pause = min(pause * 2, 2e-4 if POLL else 1e-3)
-
-
-def _wait_surviving(reqs: list[MPI.Request], what: str) -> None:
-    """``--on-failure continue``: poll, and raise PeerLost where a peer is lost, a
-    communicator was revoked, or the world was (another survivor began a recovery)."""
-    pause = 1e-5
-    try:
-        if _test_yielding(reqs, YIELD_S):
-            return
-        while not MPI.Request.Testall(reqs):
-            if faults.world_revoked():
-                raise faults.PeerLost(f"another rank began a recovery while waiting for {what}")
-            time.sleep(pause)
-            pause = min(pause * 2, 2e-4)
-    except MPI.Exception as e:
-        raise faults.PeerLost(f"{e.Get_error_string()} while waiting for {what}") from e
+    spin_until(
+        lambda: MPI.Request.Testall(reqs), what, timeout=timeout,
+        backoff=Backoff(cap=2e-4 if POLL else 1e-3), yield_s=YIELD_S,
+    )  # fmt: skip
 
 
 def live_timeout(timeout: float | None) -> float | None:
@@ -221,12 +196,14 @@ def recv_state(
     # size is only known then. A matched probe: the message received is the one probed.
     status = MPI.Status()
     if timeout or POLL:
-        watch = Watchdog(timeout, what)
-        pause = 1e-5
-        while (msg := comm.Improbe(source, tag, status)) is None:
-            watch.check()
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
+        probed = [None]
+
+        def arrived() -> bool:
+            probed[0] = comm.Improbe(source, tag, status)
+            return probed[0] is not None
+
+        spin_until(arrived, what, timeout=timeout)
+        msg = probed[0]
     else:
         msg = comm.Mprobe(source, tag, status)
     buf = np.empty(status.Get_count(MPI.BYTE), dtype=np.uint8)
@@ -258,12 +235,7 @@ def recv_object(comm, source: int, tag: int, timeout: float | None, what: str = 
     sleeping) until the message has arrived, then receive it. Only for the global servers'
     agreement on a cut (a list of ints); checkpoint state travels as state messages."""
     if timeout or POLL:
-        watch = Watchdog(timeout, what)
-        pause = 1e-5
-        while not comm.Iprobe(source=source, tag=tag):
-            watch.check()
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
+        spin_until(lambda: comm.Iprobe(source=source, tag=tag), what, timeout=timeout)
     return comm.recv(source=source, tag=tag)
 
 
@@ -292,40 +264,6 @@ def barrier_before_collective(comm, comm_timeout: float | None, what: str) -> No
         barrier(comm, live_timeout(worker_timeout(comm_timeout)), what)
     elif faults.watching():
         barrier(comm, None, what)
-
-
-class Watchdog:
-    """The one rule for giving up a wait: a rank silent on the heartbeat for ``timeout``
-    seconds is lost (an idle peer is not); without a heartbeat, ``timeout`` seconds without
-    an answer. ``check()`` is cheap: call it from every polling loop."""
-
-    def __init__(self, timeout: float | None, what: str = "") -> None:
-        self.timeout = timeout
-        self.what = what or "a peer"
-        self.deadline = time.monotonic() + timeout if timeout else None
-        self._next = 0.0
-
-    def check(self) -> None:
-        if self.timeout is None or self.deadline is None:
-            return
-        now = time.monotonic()
-        if heartbeat.active():
-            if now < self._next:
-                return
-            self._next = now + 0.05
-            lost = heartbeat.lost(self.timeout)
-            if lost:
-                rank, silent = lost[0]
-                raise CommTimeoutError(
-                    f"no answer for {self.timeout:g} s from rank {rank} (no heartbeat for "
-                    f"{silent:.0f} s) while waiting for {self.what}: that rank was lost or is "
-                    "stuck; resume with --resume latest, or raise --comm-timeout"
-                )
-        elif now > self.deadline:
-            raise CommTimeoutError(
-                f"no answer for {self.timeout:g} s while waiting for {self.what}: a rank was "
-                "lost or is stuck; resume with --resume latest, or raise --comm-timeout"
-            )
 
 
 class Link:

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from geompi.comm import faults, heartbeat
+from geompi.comm.poll import Backoff, Poller
 from geompi.comm.rma import (
     ALL_DONE,
     DONE,
@@ -40,7 +41,6 @@ from geompi.comm.topology import Topology
 from geompi.comm.transport import (
     WAN,
     Requests,
-    Watchdog,
     barrier,
     isend_state,
     live_timeout,
@@ -561,15 +561,12 @@ class AsyncGlobalServer(GlobalServer):
 
     def _serve_async(self) -> None:
         win, ndc = self.win, self.topo.num_dcs
-        pause = 2e-5
         # Deposits may legitimately not come for long (a slowed datacenter): only a heartbeat
         # can tell that from a lost one, so without one this loop waits as before.
         timeout = getattr(self, "timeout", None) if heartbeat.active() else None
-        watch = Watchdog(timeout, "deposits from the datacenters")
+        poller = Poller("deposits from the datacenters", timeout, Backoff(2e-5, 1e-3))
         while True:
-            watch.check()
-            if faults.world_revoked():  # --on-failure continue: a survivor began a recovery
-                raise faults.PeerLost("another rank began a recovery while serving deposits")
+            poller.check()
             ctrl = self._counters()
             if ctrl[SAVE_REQUEST]:
                 self._save_at_cut()
@@ -586,10 +583,9 @@ class AsyncGlobalServer(GlobalServer):
                     self.staleness.first_done(self.applied)
                 if all(done):
                     break
-                time.sleep(pause)
-                pause = min(pause * 2, 1e-3)
+                poller.backoff.sleep()
                 continue
-            pause = 2e-5
+            poller.reset()
             for _, d in pending:
                 self._apply_deposit(d, ctrl)
         self._publish_final()
@@ -599,7 +595,7 @@ class AsyncGlobalServer(GlobalServer):
     def _save_at_cut(self) -> None:
         """Snapshot after the same deposits as every other owner (the agreed cut)."""
         cut = self._agree_cut()
-        pause = 2e-5
+        poller = Poller("the deposits of the agreed cut", None, Backoff(2e-5, 1e-3))
         while self.applied != cut:
             ctrl = self._counters()
             due = [
@@ -610,8 +606,7 @@ class AsyncGlobalServer(GlobalServer):
             for d in due:  # the one deposit this owner still lacks from d
                 self._apply_deposit(d, ctrl)
             if not due:
-                time.sleep(pause)
-                pause = min(pause * 2, 1e-3)
+                poller.pause()
         self.send_snapshot()
 
     def _agree_cut(self) -> list[int]:

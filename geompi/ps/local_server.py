@@ -13,6 +13,7 @@ import torch
 from geompi.comm import faults
 from geompi.comm.buffers import BufferPool, all_finite
 from geompi.comm.linkmodel import Duplex, LinkModel
+from geompi.comm.poll import Backoff, spin_until
 from geompi.comm.topology import Communicators, Topology
 from geompi.comm.transport import LAN, WAN, Link, LinkStats, Requests, recv_buffer
 from geompi.errors import NonFiniteError
@@ -336,10 +337,14 @@ class LocalServer:
         headers = torch.zeros(self.lan.size, header_len(), dtype=torch.float64)
         self.lan.igather(reqs, mine, headers, 0)
         if self.pending:  # an overlapped global exchange is under way: keep it moving
-            while not reqs.test():
+
+            def headers_in() -> bool:
                 self.uplink.progress()
                 self._complete_arrived()
-                time.sleep(2e-4)
+                return reqs.test()
+
+            what = f"the workers of datacenter {self.dc}"
+            spin_until(headers_in, what, timeout=None, backoff=Backoff(2e-4, 2e-4))
         reqs.wait()
         rnd, weight, with_spec = agree(headers[1:], self.workers, f"datacenter {self.dc}")
         if rnd.step == self._kill_at or rnd.op is Op.SAVE and rnd.step == self._kill_save:
