@@ -9,7 +9,7 @@ import pathlib
 import re
 import struct
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import h5py
 import numpy as np
@@ -36,6 +36,14 @@ from geompi.ckpt.format import (
     fingerprint,
 )
 from geompi.errors import CheckpointError, CheckpointMismatchError
+from geompi.h5untrusted import (
+    DatasetPolicy,
+    check_dataset,
+    check_link,
+    numeric_type,
+    scalar_attr_type,
+    type_name,
+)
 
 
 def _read_chunks(ds: h5py.Dataset) -> np.ndarray | None:
@@ -128,26 +136,13 @@ _HOSTILE_ERRORS = (
     OverflowError,
 )
 
-_FILTER_NAMES = {
-    h5py.h5z.FILTER_DEFLATE: "gzip (deflate)",
-    h5py.h5z.FILTER_SHUFFLE: "shuffle",
-    h5py.h5z.FILTER_SZIP: "szip",
-    h5py.h5z.FILTER_NBIT: "nbit",
-    h5py.h5z.FILTER_SCALEOFFSET: "scaleoffset",
-}
-_TYPE_NAMES = {
-    h5py.h5t.INTEGER: "integer",
-    h5py.h5t.FLOAT: "float",
-    h5py.h5t.TIME: "time",
-    h5py.h5t.STRING: "string",
-    h5py.h5t.BITFIELD: "bitfield",
-    h5py.h5t.OPAQUE: "opaque",
-    h5py.h5t.COMPOUND: "compound",
-    h5py.h5t.REFERENCE: "reference",
-    h5py.h5t.ENUM: "enum",
-    h5py.h5t.VLEN: "variable-length",
-    h5py.h5t.ARRAY: "array",
-}
+# Checkpoint datasets: numbers, fletcher32 alone, every byte stored (no more than the file holds)
+_CKPT_DATASETS = DatasetPolicy(
+    filters=frozenset({h5py.h5z.FILTER_FLETCHER32}),
+    type_ok=numeric_type,
+    type_words="numbers",
+    fix="the file was not written by geompi: use a checkpoint written by geompi",
+)
 # A string, or an unterminated one to the end: with the closing quote optional, a match never
 # fails, so the scan is linear (a required quote made it retry from every quote: quadratic)
 _JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"?', re.DOTALL)
@@ -158,41 +153,6 @@ def _untrusted(what: str) -> str:
         f"{what}; geompi never writes that, so the file was not written by geompi or was "
         "altered: do not use it, use a checkpoint written by geompi"
     )
-
-
-def _type_name(tid: h5py.h5t.TypeID) -> str:
-    return _TYPE_NAMES.get(tid.get_class(), f"HDF5 class {tid.get_class()}")
-
-
-def _numeric_type(tid: h5py.h5t.TypeID) -> bool:
-    """Whether a dataset type is one geompi writes: int, float, bool (enum), complex (compound)."""
-    cls = tid.get_class()
-    if cls == h5py.h5t.INTEGER:
-        return tid.get_size() in (1, 2, 4, 8)
-    if cls == h5py.h5t.FLOAT:
-        return tid.get_size() in (2, 4, 8)
-    if cls == h5py.h5t.ENUM:  # numpy bool
-        base = tid.get_super()
-        return base.get_class() == h5py.h5t.INTEGER and base.get_size() == 1
-    if cls == h5py.h5t.COMPOUND:  # numpy complex: two floats
-        if tid.get_nmembers() != 2:
-            return False
-        members = [tid.get_member_type(i) for i in range(2)]
-        return all(m.get_class() == h5py.h5t.FLOAT and m.get_size() in (4, 8) for m in members)
-    return False
-
-
-def _scalar_attr_type(tid: h5py.h5t.TypeID) -> bool:
-    """Whether an attribute type is one geompi writes: text, int64, float64, bool, int8."""
-    cls = tid.get_class()
-    if cls == h5py.h5t.STRING:
-        return True  # its size is checked when it is read
-    if cls in (h5py.h5t.INTEGER, h5py.h5t.FLOAT):
-        return tid.get_size() <= 8
-    if cls == h5py.h5t.ENUM:
-        base = tid.get_super()
-        return base.get_class() == h5py.h5t.INTEGER and base.get_size() == 1
-    return False
 
 
 def _json_depth(text: str) -> int:
@@ -314,6 +274,10 @@ class _Reader:
         if fatal:
             raise _Problem
 
+    def fatal(self, msg: str) -> NoReturn:
+        self.problem(msg, fatal=True)
+        raise _Problem  # (collect=False raised in problem())
+
     def open(self) -> h5py.File:
         p = self.path
         if not p.exists():
@@ -383,20 +347,7 @@ class _Reader:
                 self.problem(f"holds more than {MAX_OBJECTS} objects", fatal=True)
             for raw in names:
                 name = path.rstrip("/") + "/" + raw.decode("utf-8", "replace")
-                info = gid.links.get_info(raw)
-                if info.type == h5py.h5l.TYPE_SOFT:
-                    target = gid.links.get_val(raw).decode("utf-8", "replace")
-                    self.problem(_untrusted(f"{name} is a soft link to {target}"), fatal=True)
-                if info.type == h5py.h5l.TYPE_EXTERNAL:
-                    file, obj = (v.decode("utf-8", "replace") for v in gid.links.get_val(raw))
-                    self.problem(
-                        _untrusted(f"{name} is an external link to {file}:{obj}"), fatal=True
-                    )
-                if info.type != h5py.h5l.TYPE_HARD:
-                    self.problem(
-                        _untrusted(f"{name} is a user-defined link (type {info.type})"),
-                        fatal=True,
-                    )
+                check_link(gid, raw, name, self.fatal, _untrusted)
                 oid = h5py.h5o.open(gid, raw)
                 oinfo = h5py.h5o.get_info(oid)
                 if oinfo.type == h5py.h5o.TYPE_NAMED_DATATYPE:
@@ -436,49 +387,7 @@ class _Reader:
 
     def _scan_dataset(self, dsid: h5py.h5d.DatasetID, name: str, file_size: int) -> int:
         """Structural checks of one dataset; returns the bytes it declares."""
-        dcpl = dsid.get_create_plist()
-        if dcpl.get_layout() == h5py.h5d.VIRTUAL:
-            self.problem(
-                _untrusted(f"dataset {name} is a virtual dataset (its data is in other files)"),
-                fatal=True,
-            )
-        if dcpl.get_external_count() > 0:
-            file = dcpl.get_external(0)[0].decode("utf-8", "replace")
-            self.problem(
-                _untrusted(f"dataset {name} keeps its data in external storage ({file})"),
-                fatal=True,
-            )
-        for i in range(dcpl.get_nfilters()):
-            code, _, _, fname = dcpl.get_filter(i)
-            if code != h5py.h5z.FILTER_FLETCHER32:
-                what = _FILTER_NAMES.get(code) or fname.decode("utf-8", "replace") or "unknown"
-                self.problem(
-                    f"dataset {name} uses the {what} filter (HDF5 filter {code}); geompi writes "
-                    "only the fletcher32 checksum filter (a compressed dataset can expand "
-                    "without bound), so the file was not written by geompi: use a checkpoint "
-                    "written by geompi",
-                    fatal=True,
-                )
-        tid = dsid.get_type()
-        if tid.committed():
-            self.problem(_untrusted(f"dataset {name} uses a committed datatype"), fatal=True)
-        if not _numeric_type(tid):
-            self.problem(
-                _untrusted(f"dataset {name} holds {_type_name(tid)} data, not numbers"),
-                fatal=True,
-            )
-        space = dsid.get_space()
-        if space.get_simple_extent_type() != h5py.h5s.SIMPLE:
-            self.problem(_untrusted(f"dataset {name} has a scalar or null dataspace"), True)
-        nbytes = math.prod(space.get_simple_extent_dims()) * tid.get_size()
-        if nbytes > file_size:
-            self.problem(
-                f"dataset {name} declares {nbytes} bytes of data, more than the whole file "
-                f"({file_size} bytes); geompi stores every byte uncompressed, so the file was "
-                "not written by geompi: use a checkpoint written by geompi",
-                fatal=True,
-            )
-        return nbytes
+        return check_dataset(dsid, name, file_size, _CKPT_DATASETS, self.fatal, _untrusted)
 
     def _scan_attrs(self, oid: h5py.h5o.ObjectID, path: str) -> None:
         n = h5py.h5a.get_num_attrs(oid)
@@ -497,9 +406,9 @@ class _Reader:
                     _untrusted(f"attribute {where} is an array or empty ({shape}), not one value"),
                     fatal=True,
                 )
-            if not _scalar_attr_type(tid):
+            if not scalar_attr_type(tid):
                 self.problem(
-                    _untrusted(f"attribute {where} holds {_type_name(tid)} data"), fatal=True
+                    _untrusted(f"attribute {where} holds {type_name(tid)} data"), fatal=True
                 )
             if tid.get_class() == h5py.h5t.STRING and not tid.is_variable_str():
                 if tid.get_size() > MAX_ATTR_BYTES:
