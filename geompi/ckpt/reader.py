@@ -26,6 +26,8 @@ from geompi.ckpt.format import (
     _NUMPY_OF,
     _RESERVED_PROGRESS,
     _STORED_AS,
+    DATA_DIGEST_ATTR,
+    DIGEST_ATTR,
     FORMAT,
     FORMAT_VERSION,
     REQUIRED_ATTRS,
@@ -33,6 +35,8 @@ from geompi.ckpt.format import (
     _chunk_buffer,
     _chunk_split,
     _chunk_walk,
+    content_digest,
+    data_digest,
     fingerprint,
 )
 from geompi.errors import CheckpointError, CheckpointMismatchError
@@ -197,9 +201,23 @@ def _chunk_problem(ds: h5py.Dataset) -> str | None:
             "checkpoint"
         )
     per = math.prod(chunks) * ds.dtype.itemsize + (4 if ds.fletcher32 else 0)
+    file_size = ds.file.id.get_filesize()
     bad: list[Any] = []
+    misplaced: list[tuple[str, tuple[int, ...]]] = []
+    seen: set[tuple[int, ...]] = set()
 
     def visit(info: Any) -> int | None:
+        offset = tuple(int(o) for o in info.chunk_offset)
+        inside = len(offset) == len(shape) and all(
+            0 <= o < s and o % c == 0 for o, s, c in zip(offset, shape, chunks)
+        )
+        if not inside or offset in seen:
+            misplaced.append(("outside", offset))
+            return 1
+        seen.add(offset)
+        if info.byte_offset is None or info.byte_offset + info.size > file_size:
+            misplaced.append(("beyond", offset))
+            return 1
         if info.filter_mask != 0 or info.size != per:
             bad.append(info)
             return 1
@@ -211,6 +229,15 @@ def _chunk_problem(ds: h5py.Dataset) -> str | None:
         for i in range(n):
             if visit(ds.id.get_chunk_info(i)) is not None:
                 break
+    if misplaced:
+        kind, offset = misplaced[0]
+        where = f"chunk {list(offset)} of dataset {ds.name}"
+        what = (
+            "lies outside the dataset or is stored twice"
+            if kind == "outside"
+            else "is stored beyond the end of the file"
+        )
+        return f"{where} {what}: its chunk index was damaged or altered; use an earlier checkpoint"
     if not bad:
         return None
     info = bad[0]
@@ -225,6 +252,13 @@ def _chunk_problem(ds: h5py.Dataset) -> str | None:
         f"{where} has {info.size} bytes stored, expected {per}: the file was altered; use an "
         "earlier checkpoint"
     )
+
+
+LEGACY_LINE = (
+    f"has no {DIGEST_ATTR} attribute, so geompi cannot check that its tensors and attributes "
+    "are intact (written by an older geompi, or altered); if you trust it, re-save it with "
+    "`python -m geompi.ckpt resave FILE NEW` and use NEW"
+)
 
 
 class _Problem(Exception):
@@ -259,8 +293,12 @@ def _attr_too_big(where: str, nbytes: int) -> str:
 class _Reader:
     """Reads a checkpoint, either raising the first problem or collecting all of them."""
 
-    def __init__(self, path: str | os.PathLike, *, collect: bool, full: bool) -> None:
+    def __init__(
+        self, path: str | os.PathLike, *, collect: bool, full: bool, legacy: bool = False
+    ) -> None:
         self.path = pathlib.Path(path)
+        self.legacy = legacy  # whether a file without a content digest may be read
+        self.digested = True  # whether this file has one (set by open)
         self.collect = collect
         self.full = full
         self.problems: list[str] = []
@@ -306,6 +344,8 @@ class _Reader:
             raise AssertionError("unreachable") from None
         try:
             self.scan(f, size)
+            if not self.digested and not self.legacy:
+                self.problem(LEGACY_LINE, fatal=True)
         except BaseException:
             f.close()
             raise
@@ -333,6 +373,7 @@ class _Reader:
             )
 
     def _scan(self, f: h5py.File, file_size: int) -> None:
+        self.digested = DIGEST_ATTR in f.attrs  # (its name only: no value is read yet)
         root = f.id
         seen = {h5py.h5o.get_info(root).addr}
         self._scan_attrs(root, "/")
@@ -410,6 +451,14 @@ class _Reader:
                 self.problem(
                     _untrusted(f"attribute {where} holds {type_name(tid)} data"), fatal=True
                 )
+            if tid.get_class() == h5py.h5t.STRING and tid.is_variable_str() and self.digested:
+                self.problem(
+                    _untrusted(
+                        f"attribute {where} holds variable-length text (kept in HDF5's global "
+                        "heap, which has no checksum)"
+                    ),
+                    fatal=True,
+                )
             if tid.get_class() == h5py.h5t.STRING and not tid.is_variable_str():
                 if tid.get_size() > MAX_ATTR_BYTES:
                     self.problem(_attr_too_big(where, tid.get_size()), fatal=True)
@@ -470,6 +519,7 @@ class _Reader:
 
     def header(self, f: h5py.File) -> dict[str, Any]:
         attrs = self.attrs_of(f)
+        attrs.pop(DIGEST_ATTR, None)
         fmt = attrs.get("format")
         if fmt != FORMAT:
             what = "no format attribute" if fmt is None else f"its format attribute is {fmt!r}"
@@ -557,6 +607,15 @@ class _Reader:
                 )
             else:
                 self.problem(f"dataset {name} cannot be read ({_reason(e)})")
+            return None
+        if self.digested and attrs.get(DATA_DIGEST_ATTR) != data_digest(arr):
+            what = "has no sha256 attribute" if DATA_DIGEST_ATTR not in attrs else "do not match"
+            self.problem(
+                f"dataset {name}'s bytes {what} its sha256 attribute: the file was damaged or "
+                "altered; use an earlier checkpoint"
+                if what == "do not match"
+                else f"dataset {name} {what}: the file was altered; use an earlier checkpoint"
+            )
             return None
         if dtype is None:
             return None
@@ -655,6 +714,15 @@ class _Reader:
                 "the model_fingerprint attribute does not match the /model tensors (the file "
                 "was edited or damaged); use an earlier checkpoint"
             )
+        # the catch-all, after the specific checks: reported when nothing more precise was
+        digest = f.attrs[DIGEST_ATTR] if self.digested else b""
+        stored = digest.decode("utf-8", "replace") if isinstance(digest, bytes) else str(digest)
+        if self.digested and not self.problems and content_digest(f) != stored:
+            self.problem(
+                "its content (names, dtypes, shapes, attributes) does not match its "
+                f"{DIGEST_ATTR} attribute: the file was damaged or altered; use an earlier "
+                "checkpoint"
+            )
         return Checkpoint(model, optimizer, optimizer_attrs, algorithm, progress, attrs, self.path)
 
     def _touch(self, obj: h5py.HLObject) -> None:
@@ -675,14 +743,22 @@ class _Reader:
 
 
 def load(
-    path: str | os.PathLike, *, verify: bool = True, expect_fingerprint: str | None = None
+    path: str | os.PathLike,
+    *,
+    verify: bool = True,
+    expect_fingerprint: str | None = None,
+    allow_legacy: bool = False,
 ) -> Checkpoint:
     """Read a whole checkpoint into memory, or raise CheckpointError (one line) and return nothing.
 
-    HDF5 always checks each chunk's fletcher32; verify=True also checks that the file is complete
+    Every load checks the file's content digest and each dataset's sha256 (a file written
+    without them, by an older geompi, is refused unless allow_legacy=True: then only the
+    checks such files allow are made). HDF5 always checks each chunk's fletcher32; verify=True
+    also checks that the file is complete
     and consistent (fingerprint, filters), exactly what verify() reports.
     """
-    ck = _Reader(path, collect=False, full=verify).read(expect_fingerprint=expect_fingerprint)
+    reader = _Reader(path, collect=False, full=verify, legacy=allow_legacy)
+    ck = reader.read(expect_fingerprint=expect_fingerprint)
     assert ck is not None
     return ck
 

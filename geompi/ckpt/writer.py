@@ -31,12 +31,16 @@ from geompi.ckpt.format import (
     _LOCKING,
     _RESERVED_PROGRESS,
     _STORED_AS,
+    DATA_DIGEST_ATTR,
+    DIGEST_ATTR,
     FORMAT,
     FORMAT_VERSION,
     _chunk_buffer,
     _chunk_layout,
     _chunk_walk,
     _geompi_version,
+    content_digest,
+    data_digest,
     fingerprint,
 )
 from geompi.errors import CheckpointError, CheckpointWriteError
@@ -131,7 +135,7 @@ def _encode_attrs(attrs: Mapping[str, Any], where: str) -> dict[str, Any]:
         _check_name(key, where)
         if key == _JSON_KEYS:
             raise CheckpointError(f"cannot save {where}: the name {_JSON_KEYS!r} is reserved")
-        if isinstance(value, str):
+        if isinstance(value, str) and "\x00" not in value:  # (fixed-length text drops NULs)
             out[key] = value
         elif isinstance(value, (bool, np.bool_)):
             out[key] = np.bool_(value)
@@ -233,11 +237,22 @@ def _write_dataset(
             _write_chunks(ds, arr, chunks, split, flusher)
         else:
             ds = group.create_dataset(name, data=arr, chunks=chunks, fletcher32=True)
-    ds.attrs["dtype"] = dtype_name
+    _set_attr(ds, "dtype", dtype_name)
     if scalar:
         ds.attrs["scalar"] = np.int8(1)
     if isinstance(value, bytes):
-        ds.attrs["kind"] = "bytes"
+        _set_attr(ds, "kind", "bytes")
+    _set_attr(ds, DATA_DIGEST_ATTR, data_digest(arr))
+
+
+def _set_attr(obj: h5py.HLObject, key: str, value: Any) -> None:
+    """Text as fixed-length UTF-8, stored in the (checksummed) attribute message itself: h5py's
+    default, variable-length text, lives in HDF5's global heap, which has no checksum."""
+    if isinstance(value, str):
+        raw = value.encode("utf-8")
+        obj.attrs.create(key, np.array(raw), dtype=h5py.string_dtype("utf-8", max(1, len(raw))))
+    else:
+        obj.attrs[key] = value
 
 
 def _write_node(group: h5py.Group, node: _Node, flusher: _Flusher | None = None) -> None:
@@ -247,7 +262,7 @@ def _write_node(group: h5py.Group, node: _Node, flusher: _Flusher | None = None)
         else:
             _write_dataset(group, name, child, flusher)
     for key, value in node.attrs.items():
-        group.attrs[key] = value
+        _set_attr(group, key, value)
 
 
 class _Flusher:
@@ -412,6 +427,7 @@ def save(
                 )
             with _Flusher(tmp) as flusher:
                 _write_node(f, root, flusher)
+            _set_attr(f, DIGEST_ATTR, content_digest(f))  # last: it covers everything else
         _fsync_path(tmp)
         os.replace(tmp, path)
         tmp = None
