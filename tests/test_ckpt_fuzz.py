@@ -233,3 +233,16 @@ def test_a_file_without_the_digest_is_refused_until_resaved(tmp_path, monkeypatc
     assert ckpt.verify(new) == []
     assert content(ckpt.load(new).model) == content(ckpt.load(old, allow_legacy=True).model)
     assert ckpt.load(new).optimizer_attrs["param_groups"] == [GROUPS]
+
+
+def test_inspect_refuses_an_edited_attribute(tmp_path, monkeypatch, capsys) -> None:
+    """inspect prints the attributes: it checks the digest before showing an edited lr."""
+    good = write_small(tmp_path / "good.h5", monkeypatch)
+    data = good.read_bytes()
+    text = json.dumps(CONFIG)
+    pos = data.find(text.encode())
+    bad = tmp_path / "edited.h5"
+    bad.write_bytes(data[:pos] + text.replace("0.001", "0.009").encode() + data[pos + len(text) :])
+    assert ckpt.main(["inspect", str(bad)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(bad) in err, err

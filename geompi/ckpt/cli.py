@@ -87,6 +87,8 @@ def _inspect(path: str) -> int:
                     walk(obj, 1)
         except _Problem:  # pragma: no cover - only fatal problems raise, and those came earlier
             pass
+        if not reader.problems:  # shown, but flagged: attributes or structure changed
+            reader.check_digest(f)
     print(f"{total_tensors} tensors, {total_bytes} bytes")
     for line in reader.problems:
         _print_error(line)

@@ -715,15 +715,22 @@ class _Reader:
                 "was edited or damaged); use an earlier checkpoint"
             )
         # the catch-all, after the specific checks: reported when nothing more precise was
-        digest = f.attrs[DIGEST_ATTR] if self.digested else b""
+        if not self.problems:
+            self.check_digest(f)
+        return Checkpoint(model, optimizer, optimizer_attrs, algorithm, progress, attrs, self.path)
+
+    def check_digest(self, f: h5py.File) -> None:
+        """Compare the file's content (but the datasets' bytes) with its content_sha256."""
+        if not self.digested:
+            return
+        digest = f.attrs[DIGEST_ATTR]
         stored = digest.decode("utf-8", "replace") if isinstance(digest, bytes) else str(digest)
-        if self.digested and not self.problems and content_digest(f) != stored:
+        if content_digest(f) != stored:
             self.problem(
                 "its content (names, dtypes, shapes, attributes) does not match its "
                 f"{DIGEST_ATTR} attribute: the file was damaged or altered; use an earlier "
                 "checkpoint"
             )
-        return Checkpoint(model, optimizer, optimizer_attrs, algorithm, progress, attrs, self.path)
 
     def _touch(self, obj: h5py.HLObject) -> None:
         if isinstance(obj, h5py.Dataset):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import errno
+import hashlib
 import json
 import os
 import pathlib
@@ -192,18 +193,22 @@ def _write_chunks(
     chunks: tuple[int, ...],
     split: int,
     flusher: _Flusher | None = None,
-) -> None:
-    """Write `arr` chunk by chunk with our own fletcher32 (the filter is then marked applied).
+) -> str:
+    """Write `arr` chunk by chunk with our own fletcher32 (the filter is then marked applied);
+    returns the sha256 of its bytes (data_digest).
 
-    A helper thread copies and checksums chunk k+1 while this one writes chunk k (numpy and the
-    write release the GIL), with two buffers taking turns.
+    A helper thread copies and checksums chunk k+1 while this one writes chunk k (numpy, hashlib
+    and the write release the GIL), with two buffers taking turns. The chunks are walked in C
+    order, one after the other, so the helper's sha256 sees the array's bytes in order.
     """
+    digest = hashlib.sha256()
     chunk_bytes, padded, first = _chunk_buffer(arr.shape, arr.itemsize, split, chunks[split])
     bufs = [first, np.zeros_like(first)]
     flat = arr.reshape(-1).view(np.uint8)
 
     def prepare(buf: np.ndarray, begin: int, nbytes: int) -> np.ndarray:
         buf[:nbytes] = flat[begin : begin + nbytes]
+        digest.update(buf[:nbytes])
         buf[nbytes:padded] = 0  # the fill of a partial chunk, and the checksum's padding
         struct.pack_into("<I", buf, chunk_bytes, _fletcher32_padded(buf[:padded], chunk_bytes))
         return buf
@@ -217,6 +222,7 @@ def _write_chunks(
         ds.id.write_direct_chunk(offset, buf[: chunk_bytes + 4], 0)
         if flusher is not None:
             flusher.wrote(chunk_bytes)
+    return digest.hexdigest()
 
 
 def _write_dataset(
@@ -226,6 +232,7 @@ def _write_dataset(
         arr, dtype_name, scalar = np.frombuffer(value, np.uint8), "uint8", False
     else:
         arr, dtype_name, scalar = _tensor_to_numpy(value)
+    sha256 = None
     if arr.size == 0:
         ds = group.create_dataset(name, data=arr, chunks=True, fletcher32=True)
     else:
@@ -234,7 +241,7 @@ def _write_dataset(
             ds = group.create_dataset(
                 name, shape=arr.shape, dtype=arr.dtype, chunks=chunks, fletcher32=True
             )
-            _write_chunks(ds, arr, chunks, split, flusher)
+            sha256 = _write_chunks(ds, arr, chunks, split, flusher)
         else:
             ds = group.create_dataset(name, data=arr, chunks=chunks, fletcher32=True)
     _set_attr(ds, "dtype", dtype_name)
@@ -242,7 +249,7 @@ def _write_dataset(
         ds.attrs["scalar"] = np.int8(1)
     if isinstance(value, bytes):
         _set_attr(ds, "kind", "bytes")
-    _set_attr(ds, DATA_DIGEST_ATTR, data_digest(arr))
+    _set_attr(ds, DATA_DIGEST_ATTR, sha256 or data_digest(arr))
 
 
 def _set_attr(obj: h5py.HLObject, key: str, value: Any) -> None:
