@@ -20,6 +20,7 @@ import os
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -452,37 +453,143 @@ def _find_hdf5(data_dir: str | None) -> Path:
     return found[0]
 
 
-def _load_hdf5(data_dir: str | None) -> Dataset:
+# What an --dataset hdf5 file may declare, in all (its datasets are read whole into every rank)
+HDF5_MAX_BYTES_VAR = "GEOMPI_HDF5_MAX_BYTES"
+HDF5_MAX_BYTES = 4 << 30
+# deflate expands at most about 1032:1; a dataset declaring more than that is not real data
+_DEFLATE_RATIO = 1032
+# Errors that h5py and HDF5 raise on damaged or hostile files: one line, never a traceback
+_H5_ERRORS = (OSError, ValueError, TypeError, KeyError, RuntimeError, MemoryError, OverflowError)
+
+
+def _hdf5_max_bytes() -> int:
+    raw = os.environ.get(HDF5_MAX_BYTES_VAR)
+    if raw is None:
+        return HDF5_MAX_BYTES
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise DataError(f"{HDF5_MAX_BYTES_VAR}={raw!r}: use a whole number of bytes >= 1")
+    return value
+
+
+def _open_hdf5(path: Path) -> tuple[Any, dict[str, Any]]:
+    """The open file and its four datasets (h5py.Dataset), each checked as untrusted input
+    (geompi.h5untrusted) before anything is read: no link but hard links on the way to them
+    (an external link to a FIFO would block, a soft link may loop), no external storage, no
+    virtual dataset, only the gzip, shuffle and fletcher32 filters, real numbers (no complex,
+    compound, string or object data), and at most GEOMPI_HDF5_MAX_BYTES declared in all."""
     import h5py
 
-    path = _find_hdf5(data_dir)
+    from geompi.h5untrusted import (
+        DatasetPolicy,
+        check_dataset,
+        check_link,
+        check_regular_file,
+        real_type,
+    )
+
+    def fail(msg: str) -> NoReturn:
+        raise DataError(f"hdf5: {path}: {msg}")
+
+    def untrusted(what: str) -> str:
+        return f"{what}, which --dataset hdf5 does not read: write the datasets themselves"
+
+    size = check_regular_file(path, fail)
+    cap = _hdf5_max_bytes()
+    policy = DatasetPolicy(
+        filters=frozenset(
+            {h5py.h5z.FILTER_DEFLATE, h5py.h5z.FILTER_SHUFFLE, h5py.h5z.FILTER_FLETCHER32}
+        ),
+        type_ok=real_type,
+        type_words="real numbers (integers, floats or bools)",
+        max_bytes=min(cap, max(size, 1) * _DEFLATE_RATIO),
+        fix=(
+            f"a file this size ({size} bytes) cannot hold it, or it exceeds "
+            f"{HDF5_MAX_BYTES_VAR}={cap}; write the file again or raise {HDF5_MAX_BYTES_VAR}"
+        ),
+    )
     try:
         fh = h5py.File(path, "r")
-    except OSError as exc:
+    except _H5_ERRORS as exc:
         reason = str(exc).splitlines()[0] if str(exc) else "unreadable"
         raise DataError(
             f"hdf5: cannot open {path} as HDF5 ({reason}): pass an HDF5 file with /train/x, "
             "/train/y, /test/x, /test/y"
         ) from None
-    with fh:
-        arrays = {}
+    try:
+        datasets: dict[str, Any] = {}
+        total = 0
         for split in ("train", "test"):
             for part in ("x", "y"):
                 key = f"/{split}/{part}"
-                obj = fh.get(key)
-                if not isinstance(obj, h5py.Dataset):
-                    raise DataError(
-                        f"hdf5: {path} has no dataset {key}: the file needs /train/x, /train/y, "
-                        "/test/x and /test/y"
+                gid = fh.id
+                for depth, component in enumerate((split, part)):
+                    raw = component.encode()
+                    name = "/" + "/".join((split, part)[: depth + 1])
+                    if not gid.links.exists(raw):
+                        raise DataError(
+                            f"hdf5: {path} has no dataset {key}: the file needs /train/x, "
+                            "/train/y, /test/x and /test/y"
+                        )
+                    check_link(gid, raw, name, fail, untrusted)
+                    oid = h5py.h5o.open(gid, raw)
+                    kind = h5py.h5o.get_info(oid).type
+                    want = h5py.h5o.TYPE_DATASET if depth else h5py.h5o.TYPE_GROUP
+                    if kind != want:
+                        raise DataError(
+                            f"hdf5: {path} has no dataset {key} ({name} is not a "
+                            f"{'dataset' if depth else 'group'}): the file needs /train/x, "
+                            "/train/y, /test/x and /test/y"
+                        )
+                    gid = oid
+                total += check_dataset(gid, key, size, policy, fail, untrusted)
+                if total > policy.max_bytes:
+                    fail(
+                        f"its datasets declare {total} bytes in all, more than the "
+                        f"{policy.max_bytes} bytes allowed: {policy.fix}"
                     )
-                try:
-                    arrays[key] = obj[()]
-                except OSError as exc:
-                    reason = str(exc).splitlines()[0] if str(exc) else "read error"
-                    raise DataError(
-                        f"hdf5: cannot read {key} from {path} ({reason}); write the file again"
-                    ) from None
-        declared = fh.attrs.get("num_classes")
+                datasets[key] = fh[key]
+        attrs: dict[str, Any] = {}
+        if "num_classes" in fh.attrs:
+            aid = h5py.h5a.open(fh.id, b"num_classes")
+            cls = aid.get_type().get_class()
+            if (
+                cls not in (h5py.h5t.INTEGER, h5py.h5t.FLOAT)
+                or aid.get_space().get_simple_extent_npoints() != 1
+            ):
+                fail(
+                    f"its num_classes attribute holds {aid.shape or 'one'} "
+                    f"{'number' if cls in (h5py.h5t.INTEGER, h5py.h5t.FLOAT) else 'non-number'}"
+                    " value(s), not one integer: store the number of classes"
+                )
+            attrs["num_classes"] = fh.attrs["num_classes"]
+    except DataError:
+        fh.close()
+        raise
+    except _H5_ERRORS as exc:
+        fh.close()
+        reason = str(exc).splitlines()[0] if str(exc) else "unreadable"
+        raise DataError(f"hdf5: cannot read {path} ({reason}); write the file again") from None
+    return fh, {"datasets": datasets, "attrs": attrs}
+
+
+def _load_hdf5(data_dir: str | None) -> Dataset:
+    path = _find_hdf5(data_dir)
+    fh, found = _open_hdf5(path)
+    with fh:
+        arrays = {}
+        for key, obj in found["datasets"].items():
+            try:
+                arrays[key] = obj[()]
+            except _H5_ERRORS as exc:
+                reason = str(exc).splitlines()[0] if str(exc) else "read error"
+                raise DataError(
+                    f"hdf5: cannot read {key} from {path} ({reason}); write the file again"
+                ) from None
+        declared = found["attrs"].get("num_classes")
     xs, ys = {}, {}
     for split in ("train", "test"):
         x, y = arrays[f"/{split}/x"], arrays[f"/{split}/y"]

@@ -174,11 +174,11 @@ def test_every_dataset_has_fletcher32_and_dtype(tmp_path):
         if isinstance(obj, h5py.Dataset):
             seen.append(name)
             assert obj.fletcher32 and obj.chunks is not None, name
-            assert obj.attrs["dtype"] in ckpt._DTYPES, name
+            assert obj.attrs["dtype"].decode() in ckpt._DTYPES, name
 
     with h5py.File(path, "r") as f:
         f.visititems(check)
-        assert f["model/bf16"].dtype == np.int16 and f["model/bf16"].attrs["dtype"] == "bfloat16"
+        assert f["model/bf16"].dtype == np.int16 and f["model/bf16"].attrs["dtype"] == b"bfloat16"
         assert f["model/scalar"].shape == (1,) and f["model/scalar"].attrs["scalar"] == 1
     assert "model/features.0.weight" in seen and "progress/pos" in seen
 
@@ -292,7 +292,7 @@ def test_refuses_newer_format_version(tmp_path):
 def test_refuses_other_format(tmp_path):
     path = save_small(tmp_path / "c.h5")
     with h5py.File(path, "r+") as f:
-        f.attrs["format"] = "something-else"
+        f.attrs["format"] = np.bytes_(b"something-else")
     assert "not a geompi checkpoint" in refusal(path)
 
 
@@ -318,9 +318,10 @@ def test_refuses_different_model(tmp_path):
 def test_refuses_edited_fingerprint(tmp_path):
     path = save_small(tmp_path / "c.h5")
     with h5py.File(path, "r+") as f:
-        f.attrs["model_fingerprint"] = "0" * 64
+        f.attrs["model_fingerprint"] = np.bytes_(b"0" * 64)
     assert "does not match the /model tensors" in refusal(path)
-    ckpt.load(path, verify=False)  # verify=False skips the whole-file consistency checks
+    # verify=False skips the fingerprint check, not the content digest every load checks
+    assert "does not match its content_sha256 attribute" in refusal(path, verify=False)
 
 
 @pytest.mark.parametrize("content", [b"", b"definitely not HDF5" * 100])

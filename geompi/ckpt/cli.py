@@ -16,6 +16,7 @@ import torch
 from geompi.ckpt.export import EXPORT_SUFFIXES, export
 from geompi.ckpt.files import _reason, list_checkpoints
 from geompi.ckpt.reader import Checkpoint, _Problem, _Reader, _verify, load
+from geompi.ckpt.writer import save
 from geompi.errors import CheckpointError
 
 
@@ -86,6 +87,8 @@ def _inspect(path: str) -> int:
                     walk(obj, 1)
         except _Problem:  # pragma: no cover - only fatal problems raise, and those came earlier
             pass
+        if not reader.problems:  # shown, but flagged: attributes or structure changed
+            reader.check_digest(f)
     print(f"{total_tensors} tensors, {total_bytes} bytes")
     for line in reader.problems:
         _print_error(line)
@@ -240,6 +243,31 @@ def _cmd_export(path: str, out: str) -> int:
     return 0
 
 
+def _cmd_resave(path: str, out: str) -> int:
+    """Read a checkpoint written without a content digest (older geompi), with every check such
+    a file allows, and write it again in today's format (digest, sha256 per dataset)."""
+    if pathlib.Path(out).resolve() == pathlib.Path(path).resolve():
+        raise _UsageError("resave writes a new file: pass an OUT other than FILE")
+    ck = load(path, allow_legacy=True)
+    a = ck.attrs
+    save(
+        out,
+        model=ck.model,
+        optimizer=ck.optimizer,
+        optimizer_attrs=ck.optimizer_attrs,
+        algorithm=ck.algorithm,
+        progress=ck.progress,
+        step=ck.step,
+        epoch=ck.epoch,
+        algorithm_name=ck.algorithm_name,
+        topology=a.get("topology"),
+        config=a.get("config"),
+        metrics=a.get("metrics"),
+    )
+    print(f"wrote {out}")
+    return 0
+
+
 def _print_error(msg: str) -> None:
     print("geompi.ckpt: error: " + " ".join(str(msg).split()), file=sys.stderr)
 
@@ -260,6 +288,11 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="write the model as .pt, .safetensors or .npz")
     p.add_argument("file")
     p.add_argument("--to", required=True, metavar="OUT")
+    p = sub.add_parser(
+        "resave", help="write a checkpoint of an older geompi (no content digest) again"
+    )
+    p.add_argument("file")
+    p.add_argument("out")
     p = sub.add_parser("ls", help="list the checkpoints of a directory")
     p.add_argument("directory")
     return parser
@@ -283,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
             return _diff(args.a, args.b)
         if args.command == "export":
             return _cmd_export(args.file, args.to)
+        if args.command == "resave":
+            return _cmd_resave(args.file, args.out)
         return _ls(args.directory)
     except _UsageError as e:
         _print_error(str(e))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 from collections.abc import Mapping
 
@@ -40,7 +41,14 @@ _DIRECT_MIN_BYTES = 256 << 10
 # The checksum sums blocks of 256 x 256 16-bit words (see _fletcher32_padded).
 _CK_BLOCK_BYTES = 2 * 256 * 256
 
-_LIBVER = ("v108", "v110")  # dense attribute storage; readable by HDF5 >= 1.10 tools
+# HDF5 1.10's format: object headers, chunk indexes (fixed/extensible arrays, v2 B-trees) and
+# dense attribute storage carry checksums (1.8's v1 B-tree chunk records did not); readable by
+# HDF5 >= 1.10 tools
+_LIBVER = ("v110", "v110")
+# Root attribute, written last: sha256 (hex) of the file's whole logical content except the
+# datasets' bytes (see content_digest); each dataset's bytes have their own sha256 attribute.
+DIGEST_ATTR = "content_sha256"
+DATA_DIGEST_ATTR = "sha256"
 _LOCKING = {"locking": "best-effort"} if h5py.version.hdf5_version_tuple >= (1, 12, 1) else {}
 
 # torch dtype -> numpy dtype it is stored as. Types numpy lacks are stored as integer bits.
@@ -90,6 +98,55 @@ def fingerprint(model: Mapping[str, torch.Tensor]) -> str:
         shape = ",".join(str(int(s)) for s in t.shape)
         lines.append(f"{name}:{shape}:{str(t.dtype).removeprefix('torch.')}")
     return hashlib.sha256("\n".join(sorted(lines)).encode("utf-8")).hexdigest()
+
+
+def _attr_record(path: str, key: str, value: object) -> list[object]:
+    """One attribute as plain JSON values: its type and exact value (floats as hex)."""
+    if isinstance(value, bytes):
+        value = value.decode("utf-8", "surrogateescape")
+    if isinstance(value, np.ndarray) or (isinstance(value, np.generic) and value.ndim):
+        return ["A", path, key, "array", str(value.dtype), repr(value.tolist())]
+    if isinstance(value, (bool, np.bool_)):
+        return ["A", path, key, "bool", bool(value)]
+    if isinstance(value, (int, np.integer)):
+        return ["A", path, key, "int", int(value)]
+    if isinstance(value, (float, np.floating)):
+        return ["A", path, key, "float", float(value).hex()]
+    if isinstance(value, str):
+        return ["A", path, key, "str", value]
+    return ["A", path, key, type(value).__name__, repr(value)]
+
+
+def content_digest(f: h5py.File) -> str:
+    """sha256 (hex) of a file's logical content but the datasets' bytes: every group and dataset
+    in iteration order (the order a load returns), each dataset's dtype and shape, and every
+    attribute's name, type and value (its sha256 attribute covers the dataset's bytes). The
+    writer computes it from the file it has just written; the reader from the file it opens.
+    Only for a file whose structure has been checked (no links but hard links, no cycles)."""
+    h = hashlib.sha256()
+
+    def emit(record: list[object]) -> None:
+        h.update(json.dumps(record, ensure_ascii=True).encode("ascii") + b"\n")
+
+    def visit(obj: h5py.HLObject, path: str) -> None:
+        for key in sorted(obj.attrs):
+            if path == "/" and key == DIGEST_ATTR:
+                continue
+            emit(_attr_record(path, key, obj.attrs[key]))
+        if isinstance(obj, h5py.Dataset):
+            emit(["D", path, obj.dtype.str, list(obj.shape)])
+            return
+        emit(["G", path, len(obj)])
+        for name in obj:
+            visit(obj[name], path.rstrip("/") + "/" + name)
+
+    visit(f, "/")
+    return h.hexdigest()
+
+
+def data_digest(arr: np.ndarray) -> str:
+    """sha256 (hex) of an array's bytes as stored (C order)."""
+    return hashlib.sha256(np.ascontiguousarray(arr).reshape(-1).view(np.uint8)).hexdigest()
 
 
 def _chunk_layout(shape: tuple[int, ...], itemsize: int) -> tuple[tuple[int, ...], int]:

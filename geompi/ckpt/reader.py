@@ -9,7 +9,7 @@ import pathlib
 import re
 import struct
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import h5py
 import numpy as np
@@ -26,6 +26,8 @@ from geompi.ckpt.format import (
     _NUMPY_OF,
     _RESERVED_PROGRESS,
     _STORED_AS,
+    DATA_DIGEST_ATTR,
+    DIGEST_ATTR,
     FORMAT,
     FORMAT_VERSION,
     REQUIRED_ATTRS,
@@ -33,9 +35,19 @@ from geompi.ckpt.format import (
     _chunk_buffer,
     _chunk_split,
     _chunk_walk,
+    content_digest,
+    data_digest,
     fingerprint,
 )
 from geompi.errors import CheckpointError, CheckpointMismatchError
+from geompi.h5untrusted import (
+    DatasetPolicy,
+    check_dataset,
+    check_link,
+    numeric_type,
+    scalar_attr_type,
+    type_name,
+)
 
 
 def _read_chunks(ds: h5py.Dataset) -> np.ndarray | None:
@@ -128,26 +140,13 @@ _HOSTILE_ERRORS = (
     OverflowError,
 )
 
-_FILTER_NAMES = {
-    h5py.h5z.FILTER_DEFLATE: "gzip (deflate)",
-    h5py.h5z.FILTER_SHUFFLE: "shuffle",
-    h5py.h5z.FILTER_SZIP: "szip",
-    h5py.h5z.FILTER_NBIT: "nbit",
-    h5py.h5z.FILTER_SCALEOFFSET: "scaleoffset",
-}
-_TYPE_NAMES = {
-    h5py.h5t.INTEGER: "integer",
-    h5py.h5t.FLOAT: "float",
-    h5py.h5t.TIME: "time",
-    h5py.h5t.STRING: "string",
-    h5py.h5t.BITFIELD: "bitfield",
-    h5py.h5t.OPAQUE: "opaque",
-    h5py.h5t.COMPOUND: "compound",
-    h5py.h5t.REFERENCE: "reference",
-    h5py.h5t.ENUM: "enum",
-    h5py.h5t.VLEN: "variable-length",
-    h5py.h5t.ARRAY: "array",
-}
+# Checkpoint datasets: numbers, fletcher32 alone, every byte stored (no more than the file holds)
+_CKPT_DATASETS = DatasetPolicy(
+    filters=frozenset({h5py.h5z.FILTER_FLETCHER32}),
+    type_ok=numeric_type,
+    type_words="numbers",
+    fix="the file was not written by geompi: use a checkpoint written by geompi",
+)
 # A string, or an unterminated one to the end: with the closing quote optional, a match never
 # fails, so the scan is linear (a required quote made it retry from every quote: quadratic)
 _JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"?', re.DOTALL)
@@ -158,41 +157,6 @@ def _untrusted(what: str) -> str:
         f"{what}; geompi never writes that, so the file was not written by geompi or was "
         "altered: do not use it, use a checkpoint written by geompi"
     )
-
-
-def _type_name(tid: h5py.h5t.TypeID) -> str:
-    return _TYPE_NAMES.get(tid.get_class(), f"HDF5 class {tid.get_class()}")
-
-
-def _numeric_type(tid: h5py.h5t.TypeID) -> bool:
-    """Whether a dataset type is one geompi writes: int, float, bool (enum), complex (compound)."""
-    cls = tid.get_class()
-    if cls == h5py.h5t.INTEGER:
-        return tid.get_size() in (1, 2, 4, 8)
-    if cls == h5py.h5t.FLOAT:
-        return tid.get_size() in (2, 4, 8)
-    if cls == h5py.h5t.ENUM:  # numpy bool
-        base = tid.get_super()
-        return base.get_class() == h5py.h5t.INTEGER and base.get_size() == 1
-    if cls == h5py.h5t.COMPOUND:  # numpy complex: two floats
-        if tid.get_nmembers() != 2:
-            return False
-        members = [tid.get_member_type(i) for i in range(2)]
-        return all(m.get_class() == h5py.h5t.FLOAT and m.get_size() in (4, 8) for m in members)
-    return False
-
-
-def _scalar_attr_type(tid: h5py.h5t.TypeID) -> bool:
-    """Whether an attribute type is one geompi writes: text, int64, float64, bool, int8."""
-    cls = tid.get_class()
-    if cls == h5py.h5t.STRING:
-        return True  # its size is checked when it is read
-    if cls in (h5py.h5t.INTEGER, h5py.h5t.FLOAT):
-        return tid.get_size() <= 8
-    if cls == h5py.h5t.ENUM:
-        base = tid.get_super()
-        return base.get_class() == h5py.h5t.INTEGER and base.get_size() == 1
-    return False
 
 
 def _json_depth(text: str) -> int:
@@ -237,9 +201,23 @@ def _chunk_problem(ds: h5py.Dataset) -> str | None:
             "checkpoint"
         )
     per = math.prod(chunks) * ds.dtype.itemsize + (4 if ds.fletcher32 else 0)
+    file_size = ds.file.id.get_filesize()
     bad: list[Any] = []
+    misplaced: list[tuple[str, tuple[int, ...]]] = []
+    seen: set[tuple[int, ...]] = set()
 
     def visit(info: Any) -> int | None:
+        offset = tuple(int(o) for o in info.chunk_offset)
+        inside = len(offset) == len(shape) and all(
+            0 <= o < s and o % c == 0 for o, s, c in zip(offset, shape, chunks)
+        )
+        if not inside or offset in seen:
+            misplaced.append(("outside", offset))
+            return 1
+        seen.add(offset)
+        if info.byte_offset is None or info.byte_offset + info.size > file_size:
+            misplaced.append(("beyond", offset))
+            return 1
         if info.filter_mask != 0 or info.size != per:
             bad.append(info)
             return 1
@@ -251,6 +229,15 @@ def _chunk_problem(ds: h5py.Dataset) -> str | None:
         for i in range(n):
             if visit(ds.id.get_chunk_info(i)) is not None:
                 break
+    if misplaced:
+        kind, offset = misplaced[0]
+        where = f"chunk {list(offset)} of dataset {ds.name}"
+        what = (
+            "lies outside the dataset or is stored twice"
+            if kind == "outside"
+            else "is stored beyond the end of the file"
+        )
+        return f"{where} {what}: its chunk index was damaged or altered; use an earlier checkpoint"
     if not bad:
         return None
     info = bad[0]
@@ -265,6 +252,13 @@ def _chunk_problem(ds: h5py.Dataset) -> str | None:
         f"{where} has {info.size} bytes stored, expected {per}: the file was altered; use an "
         "earlier checkpoint"
     )
+
+
+LEGACY_LINE = (
+    f"has no {DIGEST_ATTR} attribute, so geompi cannot check that its tensors and attributes "
+    "are intact (written by an older geompi, or altered); if you trust it, re-save it with "
+    "`python -m geompi.ckpt resave FILE NEW` and use NEW"
+)
 
 
 class _Problem(Exception):
@@ -299,8 +293,12 @@ def _attr_too_big(where: str, nbytes: int) -> str:
 class _Reader:
     """Reads a checkpoint, either raising the first problem or collecting all of them."""
 
-    def __init__(self, path: str | os.PathLike, *, collect: bool, full: bool) -> None:
+    def __init__(
+        self, path: str | os.PathLike, *, collect: bool, full: bool, legacy: bool = False
+    ) -> None:
         self.path = pathlib.Path(path)
+        self.legacy = legacy  # whether a file without a content digest may be read
+        self.digested = True  # whether this file has one (set by open)
         self.collect = collect
         self.full = full
         self.problems: list[str] = []
@@ -313,6 +311,10 @@ class _Reader:
         self.problems.append(line)
         if fatal:
             raise _Problem
+
+    def fatal(self, msg: str) -> NoReturn:
+        self.problem(msg, fatal=True)
+        raise _Problem  # (collect=False raised in problem())
 
     def open(self) -> h5py.File:
         p = self.path
@@ -342,6 +344,8 @@ class _Reader:
             raise AssertionError("unreachable") from None
         try:
             self.scan(f, size)
+            if not self.digested and not self.legacy:
+                self.problem(LEGACY_LINE, fatal=True)
         except BaseException:
             f.close()
             raise
@@ -369,6 +373,7 @@ class _Reader:
             )
 
     def _scan(self, f: h5py.File, file_size: int) -> None:
+        self.digested = DIGEST_ATTR in f.attrs  # (its name only: no value is read yet)
         root = f.id
         seen = {h5py.h5o.get_info(root).addr}
         self._scan_attrs(root, "/")
@@ -383,20 +388,7 @@ class _Reader:
                 self.problem(f"holds more than {MAX_OBJECTS} objects", fatal=True)
             for raw in names:
                 name = path.rstrip("/") + "/" + raw.decode("utf-8", "replace")
-                info = gid.links.get_info(raw)
-                if info.type == h5py.h5l.TYPE_SOFT:
-                    target = gid.links.get_val(raw).decode("utf-8", "replace")
-                    self.problem(_untrusted(f"{name} is a soft link to {target}"), fatal=True)
-                if info.type == h5py.h5l.TYPE_EXTERNAL:
-                    file, obj = (v.decode("utf-8", "replace") for v in gid.links.get_val(raw))
-                    self.problem(
-                        _untrusted(f"{name} is an external link to {file}:{obj}"), fatal=True
-                    )
-                if info.type != h5py.h5l.TYPE_HARD:
-                    self.problem(
-                        _untrusted(f"{name} is a user-defined link (type {info.type})"),
-                        fatal=True,
-                    )
+                check_link(gid, raw, name, self.fatal, _untrusted)
                 oid = h5py.h5o.open(gid, raw)
                 oinfo = h5py.h5o.get_info(oid)
                 if oinfo.type == h5py.h5o.TYPE_NAMED_DATATYPE:
@@ -436,49 +428,7 @@ class _Reader:
 
     def _scan_dataset(self, dsid: h5py.h5d.DatasetID, name: str, file_size: int) -> int:
         """Structural checks of one dataset; returns the bytes it declares."""
-        dcpl = dsid.get_create_plist()
-        if dcpl.get_layout() == h5py.h5d.VIRTUAL:
-            self.problem(
-                _untrusted(f"dataset {name} is a virtual dataset (its data is in other files)"),
-                fatal=True,
-            )
-        if dcpl.get_external_count() > 0:
-            file = dcpl.get_external(0)[0].decode("utf-8", "replace")
-            self.problem(
-                _untrusted(f"dataset {name} keeps its data in external storage ({file})"),
-                fatal=True,
-            )
-        for i in range(dcpl.get_nfilters()):
-            code, _, _, fname = dcpl.get_filter(i)
-            if code != h5py.h5z.FILTER_FLETCHER32:
-                what = _FILTER_NAMES.get(code) or fname.decode("utf-8", "replace") or "unknown"
-                self.problem(
-                    f"dataset {name} uses the {what} filter (HDF5 filter {code}); geompi writes "
-                    "only the fletcher32 checksum filter (a compressed dataset can expand "
-                    "without bound), so the file was not written by geompi: use a checkpoint "
-                    "written by geompi",
-                    fatal=True,
-                )
-        tid = dsid.get_type()
-        if tid.committed():
-            self.problem(_untrusted(f"dataset {name} uses a committed datatype"), fatal=True)
-        if not _numeric_type(tid):
-            self.problem(
-                _untrusted(f"dataset {name} holds {_type_name(tid)} data, not numbers"),
-                fatal=True,
-            )
-        space = dsid.get_space()
-        if space.get_simple_extent_type() != h5py.h5s.SIMPLE:
-            self.problem(_untrusted(f"dataset {name} has a scalar or null dataspace"), True)
-        nbytes = math.prod(space.get_simple_extent_dims()) * tid.get_size()
-        if nbytes > file_size:
-            self.problem(
-                f"dataset {name} declares {nbytes} bytes of data, more than the whole file "
-                f"({file_size} bytes); geompi stores every byte uncompressed, so the file was "
-                "not written by geompi: use a checkpoint written by geompi",
-                fatal=True,
-            )
-        return nbytes
+        return check_dataset(dsid, name, file_size, _CKPT_DATASETS, self.fatal, _untrusted)
 
     def _scan_attrs(self, oid: h5py.h5o.ObjectID, path: str) -> None:
         n = h5py.h5a.get_num_attrs(oid)
@@ -497,9 +447,17 @@ class _Reader:
                     _untrusted(f"attribute {where} is an array or empty ({shape}), not one value"),
                     fatal=True,
                 )
-            if not _scalar_attr_type(tid):
+            if not scalar_attr_type(tid):
                 self.problem(
-                    _untrusted(f"attribute {where} holds {_type_name(tid)} data"), fatal=True
+                    _untrusted(f"attribute {where} holds {type_name(tid)} data"), fatal=True
+                )
+            if tid.get_class() == h5py.h5t.STRING and tid.is_variable_str() and self.digested:
+                self.problem(
+                    _untrusted(
+                        f"attribute {where} holds variable-length text (kept in HDF5's global "
+                        "heap, which has no checksum)"
+                    ),
+                    fatal=True,
                 )
             if tid.get_class() == h5py.h5t.STRING and not tid.is_variable_str():
                 if tid.get_size() > MAX_ATTR_BYTES:
@@ -561,6 +519,7 @@ class _Reader:
 
     def header(self, f: h5py.File) -> dict[str, Any]:
         attrs = self.attrs_of(f)
+        attrs.pop(DIGEST_ATTR, None)
         fmt = attrs.get("format")
         if fmt != FORMAT:
             what = "no format attribute" if fmt is None else f"its format attribute is {fmt!r}"
@@ -648,6 +607,15 @@ class _Reader:
                 )
             else:
                 self.problem(f"dataset {name} cannot be read ({_reason(e)})")
+            return None
+        if self.digested and attrs.get(DATA_DIGEST_ATTR) != data_digest(arr):
+            what = "has no sha256 attribute" if DATA_DIGEST_ATTR not in attrs else "do not match"
+            self.problem(
+                f"dataset {name}'s bytes {what} its sha256 attribute: the file was damaged or "
+                "altered; use an earlier checkpoint"
+                if what == "do not match"
+                else f"dataset {name} {what}: the file was altered; use an earlier checkpoint"
+            )
             return None
         if dtype is None:
             return None
@@ -746,7 +714,23 @@ class _Reader:
                 "the model_fingerprint attribute does not match the /model tensors (the file "
                 "was edited or damaged); use an earlier checkpoint"
             )
+        # the catch-all, after the specific checks: reported when nothing more precise was
+        if not self.problems:
+            self.check_digest(f)
         return Checkpoint(model, optimizer, optimizer_attrs, algorithm, progress, attrs, self.path)
+
+    def check_digest(self, f: h5py.File) -> None:
+        """Compare the file's content (but the datasets' bytes) with its content_sha256."""
+        if not self.digested:
+            return
+        digest = f.attrs[DIGEST_ATTR]
+        stored = digest.decode("utf-8", "replace") if isinstance(digest, bytes) else str(digest)
+        if content_digest(f) != stored:
+            self.problem(
+                "its content (names, dtypes, shapes, attributes) does not match its "
+                f"{DIGEST_ATTR} attribute: the file was damaged or altered; use an earlier "
+                "checkpoint"
+            )
 
     def _touch(self, obj: h5py.HLObject) -> None:
         if isinstance(obj, h5py.Dataset):
@@ -766,14 +750,22 @@ class _Reader:
 
 
 def load(
-    path: str | os.PathLike, *, verify: bool = True, expect_fingerprint: str | None = None
+    path: str | os.PathLike,
+    *,
+    verify: bool = True,
+    expect_fingerprint: str | None = None,
+    allow_legacy: bool = False,
 ) -> Checkpoint:
     """Read a whole checkpoint into memory, or raise CheckpointError (one line) and return nothing.
 
-    HDF5 always checks each chunk's fletcher32; verify=True also checks that the file is complete
+    Every load checks the file's content digest and each dataset's sha256 (a file written
+    without them, by an older geompi, is refused unless allow_legacy=True: then only the
+    checks such files allow are made). HDF5 always checks each chunk's fletcher32; verify=True
+    also checks that the file is complete
     and consistent (fingerprint, filters), exactly what verify() reports.
     """
-    ck = _Reader(path, collect=False, full=verify).read(expect_fingerprint=expect_fingerprint)
+    reader = _Reader(path, collect=False, full=verify, legacy=allow_legacy)
+    ck = reader.read(expect_fingerprint=expect_fingerprint)
     assert ck is not None
     return ck
 

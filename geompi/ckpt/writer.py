@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import errno
+import hashlib
 import json
 import os
 import pathlib
@@ -38,12 +39,16 @@ from geompi.ckpt.format import (
     _LOCKING,
     _RESERVED_PROGRESS,
     _STORED_AS,
+    DATA_DIGEST_ATTR,
+    DIGEST_ATTR,
     FORMAT,
     FORMAT_VERSION,
     _chunk_buffer,
     _chunk_layout,
     _chunk_walk,
     _geompi_version,
+    content_digest,
+    data_digest,
     fingerprint,
 )
 from geompi.errors import CheckpointError, CheckpointWriteError
@@ -138,7 +143,7 @@ def _encode_attrs(attrs: Mapping[str, Any], where: str) -> dict[str, Any]:
         _check_name(key, where)
         if key == _JSON_KEYS:
             raise CheckpointError(f"cannot save {where}: the name {_JSON_KEYS!r} is reserved")
-        if isinstance(value, str):
+        if isinstance(value, str) and "\x00" not in value:  # (fixed-length text drops NULs)
             out[key] = value
         elif isinstance(value, (bool, np.bool_)):
             out[key] = np.bool_(value)
@@ -195,18 +200,22 @@ def _write_chunks(
     chunks: tuple[int, ...],
     split: int,
     flusher: _Flusher | None = None,
-) -> None:
-    """Write `arr` chunk by chunk with our own fletcher32 (the filter is then marked applied).
+) -> str:
+    """Write `arr` chunk by chunk with our own fletcher32 (the filter is then marked applied);
+    returns the sha256 of its bytes (data_digest).
 
-    A helper thread copies and checksums chunk k+1 while this one writes chunk k (numpy and the
-    write release the GIL), with two buffers taking turns.
+    A helper thread copies and checksums chunk k+1 while this one writes chunk k (numpy, hashlib
+    and the write release the GIL), with two buffers taking turns. The chunks are walked in C
+    order, one after the other, so the helper's sha256 sees the array's bytes in order.
     """
+    digest = hashlib.sha256()
     chunk_bytes, padded, first = _chunk_buffer(arr.shape, arr.itemsize, split, chunks[split])
     bufs = [first, np.zeros_like(first)]
     flat = arr.reshape(-1).view(np.uint8)
 
     def prepare(buf: np.ndarray, begin: int, nbytes: int) -> np.ndarray:
         buf[:nbytes] = flat[begin : begin + nbytes]
+        digest.update(buf[:nbytes])
         buf[nbytes:padded] = 0  # the fill of a partial chunk, and the checksum's padding
         struct.pack_into("<I", buf, chunk_bytes, _fletcher32_padded(buf[:padded], chunk_bytes))
         return buf
@@ -220,6 +229,7 @@ def _write_chunks(
         ds.id.write_direct_chunk(offset, buf[: chunk_bytes + 4], 0)
         if flusher is not None:
             flusher.wrote(chunk_bytes)
+    return digest.hexdigest()
 
 
 def _write_dataset(
@@ -229,6 +239,7 @@ def _write_dataset(
         arr, dtype_name, scalar = np.frombuffer(value, np.uint8), "uint8", False
     else:
         arr, dtype_name, scalar = _tensor_to_numpy(value)
+    sha256 = None
     if arr.size == 0:
         ds = group.create_dataset(name, data=arr, chunks=True, fletcher32=True)
     else:
@@ -237,14 +248,25 @@ def _write_dataset(
             ds = group.create_dataset(
                 name, shape=arr.shape, dtype=arr.dtype, chunks=chunks, fletcher32=True
             )
-            _write_chunks(ds, arr, chunks, split, flusher)
+            sha256 = _write_chunks(ds, arr, chunks, split, flusher)
         else:
             ds = group.create_dataset(name, data=arr, chunks=chunks, fletcher32=True)
-    ds.attrs["dtype"] = dtype_name
+    _set_attr(ds, "dtype", dtype_name)
     if scalar:
         ds.attrs["scalar"] = np.int8(1)
     if isinstance(value, bytes):
-        ds.attrs["kind"] = "bytes"
+        _set_attr(ds, "kind", "bytes")
+    _set_attr(ds, DATA_DIGEST_ATTR, sha256 or data_digest(arr))
+
+
+def _set_attr(obj: h5py.HLObject, key: str, value: Any) -> None:
+    """Text as fixed-length UTF-8, stored in the (checksummed) attribute message itself: h5py's
+    default, variable-length text, lives in HDF5's global heap, which has no checksum."""
+    if isinstance(value, str):
+        raw = value.encode("utf-8")
+        obj.attrs.create(key, np.array(raw), dtype=h5py.string_dtype("utf-8", max(1, len(raw))))
+    else:
+        obj.attrs[key] = value
 
 
 def _write_node(group: h5py.Group, node: _Node, flusher: _Flusher | None = None) -> None:
@@ -254,7 +276,7 @@ def _write_node(group: h5py.Group, node: _Node, flusher: _Flusher | None = None)
         else:
             _write_dataset(group, name, child, flusher)
     for key, value in node.attrs.items():
-        group.attrs[key] = value
+        _set_attr(group, key, value)
 
 
 class _Flusher:
@@ -436,6 +458,7 @@ def save(
                 )
             with _Flusher(tmp) as flusher:
                 _write_node(f, root, flusher)
+            _set_attr(f, DIGEST_ATTR, content_digest(f))  # last: it covers everything else
         _fsync_path(tmp)
         os.replace(tmp, path)
         tmp = None
