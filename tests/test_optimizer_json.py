@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 
 import h5py
+import numpy as np
 import pytest
 import torch
 
@@ -36,6 +37,19 @@ def _trained(kind: str = "adam") -> tuple[torch.nn.Module, torch.optim.Optimizer
 def saved(tmp_path_factory) -> Path:
     net, opt = _trained()
     return geompi.save(tmp_path_factory.mktemp("ck") / "a.h5", model=net, optimizer=opt, step=4)
+
+
+def _redigest(f: h5py.File) -> None:
+    """An edit that passes verify: the datasets' sha256 and the file's content_sha256 made
+    again (what a deliberate edit does; the JSON checks stand behind the checksums)."""
+    from geompi.ckpt.format import DATA_DIGEST_ATTR, DIGEST_ATTR, content_digest, data_digest
+
+    def visit(_name: str, obj: object) -> None:
+        if isinstance(obj, h5py.Dataset) and DATA_DIGEST_ATTR in obj.attrs:
+            obj.attrs[DATA_DIGEST_ATTR] = np.bytes_(data_digest(obj[()]).encode())
+
+    f.visititems(visit)
+    f.attrs[DIGEST_ATTR] = np.bytes_(content_digest(f).encode())
 
 
 def _group(path: Path, **changes) -> str:
@@ -85,7 +99,8 @@ def test_an_edited_optimizer_json_is_one_line_naming_the_file(
     shutil.copy(saved, path)
     new = value(path) if callable(value) else value
     with h5py.File(path, "r+") as f:
-        f["optimizer"].attrs[attr] = new
+        f["optimizer"].attrs[attr] = np.bytes_(new.encode())  # fixed-length, as geompi writes
+        _redigest(f)
     net, opt = _trained()
     before = {k: v.clone() for k, v in net.state_dict().items()}
     lr = opt.param_groups[0]["lr"]
@@ -108,6 +123,7 @@ def test_absurd_counters_are_refused(saved, tmp_path, where, value):
             f["optimizer/step/weight"][...] = float(value)
         else:
             f.attrs[where.split()[-1]] = value
+        _redigest(f)
     net, opt = _trained()
     with pytest.raises(CheckpointError, match="a counter is an integer from 0") as exc:
         geompi.load(path, model=net, optimizer=opt)
@@ -122,6 +138,7 @@ def test_non_finite_optimizer_state_is_refused(tmp_path):
     path = geompi.save(tmp_path / "a.h5", model=net, optimizer=opt, step=1)
     with h5py.File(path, "r+") as f:
         f["optimizer/momentum_buffer/bias"][0] = float("inf")
+        _redigest(f)
     net, opt = _trained("sgd")
     with pytest.raises(CheckpointError, match="momentum_buffer of bias is not finite"):
         geompi.load(path, model=net, optimizer=opt)
