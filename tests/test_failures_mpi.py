@@ -494,7 +494,7 @@ def test_mixedsync_checkpoints_go_on_through_a_lost_datacenter(tmp_path):
     job ends with exit 0 and every checkpoint after the loss verifies and holds the progress
     of the 3 surviving workers (datacenter 0's two at the checkpoint's step)."""
     ck = tmp_path / "ck"
-    env = {**ULFM_ENV, "GEOMPI_FAULT_KILL_AT": "4:7"}
+    env = {**ULFM_ENV, **HOOKS, "GEOMPI_FAULT_KILL_AT": "4:7"}
     args = [prog("dc_lost.py"), "mixed", str(tmp_path), "12", str(ck)]
     res = mpirun(10, args, 180, env=env, launcher=ULFM, check=False)
     assert res.returncode == 0, res.stderr[-3000:]
