@@ -49,6 +49,14 @@ def test_state_dict_holds_the_servers_adam_state(run, name):
     assert all(v == ["exp_avg", "exp_avg_sq", "step"] for v in state.values())
 
 
+@pytest.mark.parametrize("name", ["hfa", "fsa"])
+def test_each_worker_gets_its_own_saved_state_back(run, name):
+    """geompi.save(state=...) keeps every worker's own values (RNG states differ per worker)."""
+    for w in range(WORKERS):
+        got = json.loads((run / f"{name}-state-w{w}.json").read_text())
+        assert got == {"who": w, "rng": True}, (w, got)
+
+
 def test_load_between_close_and_the_next_optimizer(run):
     """geompi.load after opt.close() waited forever in the closed optimizer's INIT round."""
     assert (run / "after-close-w2.pt").exists()

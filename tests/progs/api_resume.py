@@ -60,10 +60,15 @@ def in_one_go(name: str) -> None:
 def through_files(name: str) -> None:
     model, opt = build(name)
     steps(model, opt, 0, 4)
-    geompi.save(f"{out}/{name}.h5", model=model, optimizer=opt, step=4)
+    own = {"who": w, "rng": torch.Generator().manual_seed(w).get_state()}  # each worker's
+    geompi.save(f"{out}/{name}.h5", model=model, optimizer=opt, step=4, state=own)
     opt.close()
     model, opt = build(name)
-    info = geompi.load(f"{out}/{name}.h5", model=model, optimizer=opt)
+    state = {"who": -1}
+    info = geompi.load(f"{out}/{name}.h5", model=model, optimizer=opt, state=state)
+    rng = info["state"]["rng"]
+    with open(f"{out}/{name}-state-w{w}.json", "w") as f:  # each worker got its own back
+        json.dump({"who": state["who"], "rng": bool(torch.equal(rng, own["rng"]))}, f)
     steps(model, opt, info["step"], 8)
     opt.close()
     dump(f"{name}-resumed", model)
