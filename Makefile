@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 RANKS  ?= 16
 ARGS   ?=
-# torch is pinned here (the CPU build of 2.13.0); setup.cfg only gives it a range.
+# torch is pinned here (the CPU build of 2.13.0); pyproject.toml only gives it a range.
 TORCH  ?= torch==2.13.0
 
 # Single-machine Open MPI settings: allow root, allow more ranks than cores, quiet one-sided
@@ -31,7 +31,7 @@ FT_FLAGS := $(if $(FT),--with-ft ulfm --mca btl self$(comma)tcp --mca mpi_ft_det
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: setup.cfg pyproject.toml
+$(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip
 	$(BIN)/pip install "$(TORCH)"
