@@ -236,6 +236,7 @@ def start_job(plan, comm=None):
     try:
         check_same_env(rows)
         check_wait_mode()
+        check_launcher(comm.Get_size())
         topo = plan(comm)
         check_same_device(rows, topo)
     except GeompiError as e:
@@ -243,6 +244,21 @@ def start_job(plan, comm=None):
     if rank == 0:
         print(topo.table(), flush=True)
     return comm, topo, build_communicators(topo, comm), LinkStats()
+
+
+def check_launcher(world_size: int, env=os.environ) -> None:
+    """A world of one process that torchrun started (each of its processes is then a world
+    of its own to MPI): say that torchrun is the problem, not only that the world is small."""
+    from geompi.errors import TopologyError
+
+    started = env.get("TORCHELASTIC_RUN_ID") is not None or "LOCAL_WORLD_SIZE" in env
+    if world_size == 1 and started:
+        n = env.get("WORLD_SIZE", "N")
+        raise TopologyError(
+            f"started by torchrun (WORLD_SIZE={n}), but geompi's ranks are MPI's and MPI sees "
+            "1 rank in each process: launch with mpirun -n N python script.py (N = workers + "
+            "local servers + global servers) instead of torchrun"
+        )
 
 
 # Per-rank by nature: the device is compared among the workers of a datacenter instead.
