@@ -27,6 +27,9 @@ __all__ = [
     "HFA",
     "DistributedOptimizer",
     "DistributedSampler",
+    "all_reduce",
+    "broadcast_object",
+    "local_worker_rank",
     "MixedSync",
     "device",
     "dc",
@@ -48,11 +51,15 @@ _LAZY = {
     "DistributedOptimizer": "geompi.optimizer",
     "DistributedSampler": "geompi.sampler",
     "save": "geompi.state",
+    "all_reduce": "geompi.collectives",
+    "broadcast_object": "geompi.collectives",
+    "local_worker_rank": "geompi.collectives",
     "load": "geompi.state",
 }
 _SUBMODULES = ("kv", "optim", "ckpt", "train", "comm", "ps", "sync", "config", "errors", "data")
 
 if TYPE_CHECKING:  # pragma: no cover
+    from geompi.collectives import all_reduce, broadcast_object, local_worker_rank
     from geompi.optimizer import DistributedOptimizer
     from geompi.sampler import DistributedSampler
     from geompi.state import load, save
@@ -60,7 +67,12 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 # Collective calls over the workers, watched for a worker that calls them alone (callwatch).
-_COLLECTIVE = {"save": "geompi.save", "load": "geompi.load"}
+_COLLECTIVE = {
+    "save": "geompi.save",
+    "load": "geompi.load",
+    "all_reduce": "geompi.all_reduce",
+    "broadcast_object": "geompi.broadcast_object",
+}
 _wrapped: dict = {}
 
 
