@@ -95,9 +95,33 @@ def init(comm=None, **settings) -> None:
     """Join the job (collective over COMM_WORLD). Workers return; server ranks serve rounds
     until the workers call ``finish()``, then exit with status 0.
 
-    Keywords (else ``GEOMPI_*`` variables): ``dcs``, ``dc_sizes``, ``global_servers``,
-    ``wan_bandwidth``, ``wan_latency``, ``lan_bandwidth``, ``wan_compression``,
-    ``comm_timeout``, ``on_nonfinite``, ``max_staleness``.
+    Every keyword is optional; one given overrides its ``GEOMPI_*`` variable where it has one
+    (``GEOMPI_DCS``, ``GEOMPI_DC_SIZES``, ``GEOMPI_GLOBAL_SERVERS``, ``GEOMPI_WAN_BANDWIDTH``,
+    ``GEOMPI_WAN_LATENCY``, ``GEOMPI_LAN_BANDWIDTH``, ``GEOMPI_WAN_COMPRESSION``,
+    ``GEOMPI_LAN_REDUCE``). Any other keyword is refused in one line.
+
+    Args:
+        comm (mpi4py.MPI.Comm): the communicator of the job (default ``MPI.COMM_WORLD``).
+
+    Other Parameters:
+        dcs (int): number of datacenters (``--dcs``; default 3 from 7 ranks, 2 from 5, else 1).
+        dc_sizes (list[int]): ranks per datacenter, each counting its local server
+            (``--dc-sizes``).
+        global_servers (int): global servers, each holding a slice of every key
+            (``--global-servers``; default 1).
+        wan_bandwidth (str): emulated WAN bandwidth per datacenter, e.g. ``"100Mbit"``.
+        wan_latency (str): emulated one-way WAN latency, e.g. ``"25ms"``.
+        lan_bandwidth (str): emulated LAN bandwidth, e.g. ``"10Gbit"``.
+        wan_compression (str): WAN codec, e.g. ``"topk:0.01"``, ``"fp16"``, ``"int8"``.
+        comm_timeout (float): seconds of silence from a rank before a wait gives up
+            (``--comm-timeout``; default off).
+        on_nonfinite (str): ``"abort"`` (default) or ``"skip"`` on a NaN/Inf gradient.
+        max_staleness (int): under MixedSync, a datacenter this many updates or more ahead
+            of the slowest active one waits (``--max-staleness``; default unbounded).
+        lan_reduce (str): how a datacenter sums its workers' pushes: ``"auto"`` (default),
+            ``"funnel"`` or ``"scatter"`` (``--lan-reduce``).
+        on_failure (str): on a lost rank, ``"abort"`` (default) or ``"continue"`` without it
+            (needs ``mpirun --with-ft ulfm``; ``--on-failure``).
     """
     from geompi import session
 

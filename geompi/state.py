@@ -225,6 +225,12 @@ def load(
     Returns ``{"step": ..., "epoch": ..., "metrics": ..., "state": {...}}`` (``state``: what
     the file holds that ``state=`` did not name). A bad file is one error line and every rank
     stops.
+
+    Where it goes: after ``DistributedOptimizer(...)``, with ``optimizer=`` the optimizer it
+    returned, and before the training steps (under MixedSync a load after the first step is
+    refused). Called between ``opt.close()`` and the next ``DistributedOptimizer``, it loads
+    the model only, and that optimizer's first round gives the master's values to every
+    worker.
     """
     from geompi import session
 
