@@ -1,5 +1,5 @@
 # Quick start: `make train` (set up .venv and run the default 16-rank job), `make test`.
-# Also: `make lint`, `make docs` (the site, into site/).
+# Also: `make test-fast` (the one-process tests), `make lint`, `make docs` (the site, into site/).
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
@@ -45,8 +45,9 @@ train: setup
 test: setup
 	$(BIN)/python -m pytest -q -ra --durations=25 tests
 
+# the tests that run in one process: no mpirun (marker mpi), no Slurm (marker slurm)
 test-fast: setup
-	$(BIN)/python -m pytest -q -ra -m "not slurm" tests
+	$(BIN)/python -m pytest -q -ra --durations=10 -m "not mpi and not slurm" tests
 
 lint: setup
 	$(BIN)/ruff check .
