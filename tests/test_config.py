@@ -583,7 +583,7 @@ def test_plan_topology_refuses_a_slowdown_of_a_missing_datacenter() -> None:
 
 
 def test_geompi_max_staleness_is_not_read_so_it_is_refused() -> None:
-    """The README documents --max-staleness and geompi.init(max_staleness=...), never this
+    """The docs document --max-staleness and geompi.init(max_staleness=...), never this
     variable: a run went ahead unbounded while its user believed the bound was on."""
     with pytest.raises(ConfigError) as exc:
         from_env({"GEOMPI_MAX_STALENESS": "4"})

@@ -1,5 +1,6 @@
-"""The README's API example, and the helpers a ported script uses, as a type checker sees
-them (tests/test_packaging.py runs mypy on this file; it is never executed)."""
+"""The API example of docs/python-api.md (the README's, in short), and the helpers a ported
+script uses, as a type checker sees them (tests/test_packaging.py runs mypy on this file; it is
+never executed)."""
 
 import torch
 from torch import nn
