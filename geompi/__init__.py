@@ -104,7 +104,8 @@ def init(comm=None, **settings) -> None:
         comm (mpi4py.MPI.Comm): the communicator of the job (default ``MPI.COMM_WORLD``).
 
     Other Parameters:
-        dcs (int): number of datacenters (``--dcs``; default 3 from 7 ranks, 2 from 5, else 1).
+        dcs (int): number of datacenters (``--dcs``; default: 3 when 6 or more ranks remain
+            beside the global servers, 2 when 4 or 5 do, else 1).
         dc_sizes (list[int]): ranks per datacenter, each counting its local server
             (``--dc-sizes``).
         global_servers (int): global servers, each holding a slice of every key
