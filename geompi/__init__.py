@@ -27,6 +27,9 @@ __all__ = [
     "HFA",
     "DistributedOptimizer",
     "DistributedSampler",
+    "all_reduce",
+    "broadcast_object",
+    "local_worker_rank",
     "MixedSync",
     "device",
     "dc",
@@ -48,11 +51,15 @@ _LAZY = {
     "DistributedOptimizer": "geompi.optimizer",
     "DistributedSampler": "geompi.sampler",
     "save": "geompi.state",
+    "all_reduce": "geompi.collectives",
+    "broadcast_object": "geompi.collectives",
+    "local_worker_rank": "geompi.collectives",
     "load": "geompi.state",
 }
 _SUBMODULES = ("kv", "optim", "ckpt", "train", "comm", "ps", "sync", "config", "errors", "data")
 
 if TYPE_CHECKING:  # pragma: no cover
+    from geompi.collectives import all_reduce, broadcast_object, local_worker_rank
     from geompi.optimizer import DistributedOptimizer
     from geompi.sampler import DistributedSampler
     from geompi.state import load, save
@@ -60,7 +67,12 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 # Collective calls over the workers, watched for a worker that calls them alone (callwatch).
-_COLLECTIVE = {"save": "geompi.save", "load": "geompi.load"}
+_COLLECTIVE = {
+    "save": "geompi.save",
+    "load": "geompi.load",
+    "all_reduce": "geompi.all_reduce",
+    "broadcast_object": "geompi.broadcast_object",
+}
 _wrapped: dict = {}
 
 
@@ -83,9 +95,34 @@ def init(comm=None, **settings) -> None:
     """Join the job (collective over COMM_WORLD). Workers return; server ranks serve rounds
     until the workers call ``finish()``, then exit with status 0.
 
-    Keywords (else ``GEOMPI_*`` variables): ``dcs``, ``dc_sizes``, ``global_servers``,
-    ``wan_bandwidth``, ``wan_latency``, ``lan_bandwidth``, ``wan_compression``,
-    ``comm_timeout``, ``on_nonfinite``, ``max_staleness``.
+    Every keyword is optional; one given overrides its ``GEOMPI_*`` variable where it has one
+    (``GEOMPI_DCS``, ``GEOMPI_DC_SIZES``, ``GEOMPI_GLOBAL_SERVERS``, ``GEOMPI_WAN_BANDWIDTH``,
+    ``GEOMPI_WAN_LATENCY``, ``GEOMPI_LAN_BANDWIDTH``, ``GEOMPI_WAN_COMPRESSION``,
+    ``GEOMPI_LAN_REDUCE``). Any other keyword is refused in one line.
+
+    Args:
+        comm (mpi4py.MPI.Comm): the communicator of the job (default ``MPI.COMM_WORLD``).
+
+    Other Parameters:
+        dcs (int): number of datacenters (``--dcs``; default: 3 when 6 or more ranks remain
+            beside the global servers, 2 when 4 or 5 do, else 1).
+        dc_sizes (list[int]): ranks per datacenter, each counting its local server
+            (``--dc-sizes``).
+        global_servers (int): global servers, each holding a slice of every key
+            (``--global-servers``; default 1).
+        wan_bandwidth (str): emulated WAN bandwidth per datacenter, e.g. ``"100Mbit"``.
+        wan_latency (str): emulated one-way WAN latency, e.g. ``"25ms"``.
+        lan_bandwidth (str): emulated LAN bandwidth, e.g. ``"10Gbit"``.
+        wan_compression (str): WAN codec, e.g. ``"topk:0.01"``, ``"fp16"``, ``"int8"``.
+        comm_timeout (float): seconds of silence from a rank before a wait gives up
+            (``--comm-timeout``; default off).
+        on_nonfinite (str): ``"abort"`` (default) or ``"skip"`` on a NaN/Inf gradient.
+        max_staleness (int): under MixedSync, a datacenter this many updates or more ahead
+            of the slowest active one waits (``--max-staleness``; default unbounded).
+        lan_reduce (str): how a datacenter sums its workers' pushes: ``"auto"`` (default),
+            ``"funnel"`` or ``"scatter"`` (``--lan-reduce``).
+        on_failure (str): on a lost rank, ``"abort"`` (default) or ``"continue"`` without it
+            (needs ``mpirun --with-ft ulfm``; ``--on-failure``).
     """
     from geompi import session
 

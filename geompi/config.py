@@ -711,7 +711,7 @@ _ENV_STR = (
     "sync", "wan_bandwidth", "wan_latency", "lan_bandwidth", "wan_compression", "lan_reduce",
 )  # fmt: skip
 _GEOMX = {"k1": "MXNET_KVSTORE_HFA_K1", "k2": "MXNET_KVSTORE_HFA_K2"}
-# Variables that look like settings but are not (the README lists those that are): refused,
+# Variables that look like settings but are not (the docs list those that are): refused,
 # so a run does not go ahead without the setting its user believes is on.
 _NOT_READ = {
     "GEOMPI_MAX_STALENESS": "pass --max-staleness N (or geompi.init(max_staleness=N))",

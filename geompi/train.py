@@ -11,6 +11,18 @@ from geompi.runtime import install_signal_handlers
 
 if __name__ == "__main__":
     install_signal_handlers()  # before the slow imports: a stop signal at start-up is not fatal
+    # Run as the module geompi.train, imported where a missing MPI library (the imports below
+    # load it) is turned into one line saying what to install.
+    import sys
+
+    from geompi.runtime import main_needing_mpi
+
+    def _load_main():
+        from geompi.train import main
+
+        return main
+
+    sys.exit(main_needing_mpi(_load_main))
 
 import copy
 import json
@@ -38,6 +50,7 @@ from geompi.runtime import (
     exit_together,
     install_excepthook,
     install_signal_handlers,
+    launcher_rank,
     plan_topology,
     restore_signal_handlers,
     say,
@@ -45,14 +58,6 @@ from geompi.runtime import (
     worker_device,
 )
 from geompi.threads import configure_threads
-
-
-def launcher_rank() -> int:
-    """This process's rank as the launcher tells it, before MPI starts (0 if not launched)."""
-    for var in ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID"):
-        if os.environ.get(var, "").isdigit():
-            return int(os.environ[var])
-    return 0
 
 
 class Worker:
@@ -637,7 +642,9 @@ def time_split(per_rank: list[dict]) -> dict[str, float]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The CLI. ``--help`` works without mpirun; everything else runs under it."""
+    """The CLI. ``--help`` works without mpirun; everything else runs under it. Without an
+    MPI library this module cannot be imported: :func:`geompi.runtime.main_needing_mpi`
+    answers then."""
     install_excepthook()
     try:
         cfg = make_config(sys.argv[1:] if argv is None else argv)
@@ -645,7 +652,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         exit_together(e, launcher_rank())
     summary = train(cfg)
     return 1 if summary is not None and summary.get("checkpoint_failed") else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -23,7 +23,7 @@ def install_copy(tmp_path: Path) -> Path:
     checkout); returns the target directory, to put on PYTHONPATH."""
     src = tmp_path / "src"
     src.mkdir()
-    for name in ("setup.cfg", "pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(REPO / name, src / name)
     shutil.copytree(REPO / "geompi", src / "geompi", ignore=shutil.ignore_patterns("__pycache__"))
     site = tmp_path / "site"

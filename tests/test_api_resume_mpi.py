@@ -49,6 +49,14 @@ def test_state_dict_holds_the_servers_adam_state(run, name):
     assert all(v == ["exp_avg", "exp_avg_sq", "step"] for v in state.values())
 
 
+@pytest.mark.parametrize("name", ["hfa", "fsa"])
+def test_each_worker_gets_its_own_saved_state_back(run, name):
+    """geompi.save(state=...) keeps every worker's own values (RNG states differ per worker)."""
+    for w in range(WORKERS):
+        got = json.loads((run / f"{name}-state-w{w}.json").read_text())
+        assert got == {"who": w, "rng": True}, (w, got)
+
+
 def test_load_between_close_and_the_next_optimizer(run):
     """geompi.load after opt.close() waited forever in the closed optimizer's INIT round."""
     assert (run / "after-close-w2.pt").exists()
@@ -62,3 +70,26 @@ def test_loading_a_closed_optimizer_whose_state_the_servers_held_is_refused(tmp_
     lines = [ln for ln in res.stderr.splitlines() if "geompi.load(optimizer=...)" in ln]
     assert len(lines) == 1, res.stderr[-3000:]
     assert "after opt.close()" in lines[0]
+
+
+def test_collectives_among_the_workers(run):
+    """all_reduce (bf16 reduced in float64, ints in int64), broadcast_object from worker 1,
+    local_worker_rank (one node: 0, 1, 2), against the values computed here."""
+    for w in range(WORKERS):
+        got = json.loads((run / f"collectives-w{w}.json").read_text())
+        assert got["mean"] == [3.0, -1.0]  # (1.5 + 3 + 4.5) / 3, (0 - 1 - 2) / 3
+        assert got["sum"] == [9.0, -3.0]
+        assert got["max"] == [2, 10]
+        assert got["min_dtype"] == "torch.int64"
+        assert got["obj"] == {"from": 1, "items": [1, "x"]}
+        assert got["local"] == w
+
+
+def test_a_collective_with_different_shapes_is_one_line_and_stops_every_rank(tmp_path):
+    res = mpirun(
+        7, ["-m", "mpi4py", prog("api_resume.py"), str(tmp_path), "mismatch"], 120, check=False
+    )
+    assert res.returncode != 0
+    lines = [ln for ln in res.stderr.splitlines() if "geompi: error:" in ln]
+    assert len(lines) == 1, res.stderr[-3000:]
+    assert "worker 1 passed (3,) torch.float32 op=mean but worker 0 passed (2,)" in lines[0]

@@ -583,7 +583,7 @@ def test_plan_topology_refuses_a_slowdown_of_a_missing_datacenter() -> None:
 
 
 def test_geompi_max_staleness_is_not_read_so_it_is_refused() -> None:
-    """The README documents --max-staleness and geompi.init(max_staleness=...), never this
+    """The docs document --max-staleness and geompi.init(max_staleness=...), never this
     variable: a run went ahead unbounded while its user believed the bound was on."""
     with pytest.raises(ConfigError) as exc:
         from_env({"GEOMPI_MAX_STALENESS": "4"})
@@ -626,3 +626,16 @@ def test_epochs_that_come_to_more_steps_than_the_bound_are_refused() -> None:
     with pytest.raises(ConfigError) as exc:
         Worker._total_steps(worker(1e6))
     assert one_line(exc).startswith("--epochs 1e+06 is 10000000000 steps of 10000 per epoch")
+
+
+def test_torchrun_is_named_as_the_launcher_to_replace():
+    """Under torchrun every process is a world of one to MPI: the line says torchrun is the
+    problem (it said only that the world was too small for the topology)."""
+    from geompi.errors import TopologyError
+    from geompi.runtime import check_launcher
+
+    env = {"TORCHELASTIC_RUN_ID": "x", "LOCAL_WORLD_SIZE": "4", "WORLD_SIZE": "4"}
+    with pytest.raises(TopologyError, match=r"started by torchrun \(WORLD_SIZE=4\).*mpirun -n N"):
+        check_launcher(1, env)
+    check_launcher(8, env)  # a real MPI world, whatever the variables say
+    check_launcher(1, {})  # python script.py alone: the topology's own line follows

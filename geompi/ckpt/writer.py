@@ -320,7 +320,7 @@ class _Flusher:
 
 
 def _utc_now() -> str:
-    # timezone.utc, not datetime.UTC: setup.cfg still allows Python 3.10
+    # timezone.utc, not datetime.UTC: pyproject.toml still allows Python 3.10
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")  # noqa: UP017
 
 

@@ -46,6 +46,8 @@ LABELS = (
     "geompi.load",
     "opt.close",
     "geompi.finish",
+    "geompi.all_reduce",
+    "geompi.broadcast_object",
 )
 
 

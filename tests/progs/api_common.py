@@ -218,7 +218,7 @@ def hfa_reference(
     weighted by the samples since the last average, or if there were none by its weights.
     ``lost`` = (workers, step): those workers (or their datacenter) are lost during the average
     at ``step`` (a multiple of K1), which becomes global over the other workers; they train no
-    more, and the count towards K2 starts again (--on-failure continue, as the README says).
+    more, and the count towards K2 starts again (--on-failure continue, as docs/failures.md says).
     ``left_after`` = (workers, step): lost after the average at ``step`` (during the checkpoint
     that follows it): they take part in it, then train no more; the cadence goes on."""
     workers = sum(dc_sizes)

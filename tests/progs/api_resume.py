@@ -60,10 +60,15 @@ def in_one_go(name: str) -> None:
 def through_files(name: str) -> None:
     model, opt = build(name)
     steps(model, opt, 0, 4)
-    geompi.save(f"{out}/{name}.h5", model=model, optimizer=opt, step=4)
+    own = {"who": w, "rng": torch.Generator().manual_seed(w).get_state()}  # each worker's
+    geompi.save(f"{out}/{name}.h5", model=model, optimizer=opt, step=4, state=own)
     opt.close()
     model, opt = build(name)
-    info = geompi.load(f"{out}/{name}.h5", model=model, optimizer=opt)
+    state = {"who": -1}
+    info = geompi.load(f"{out}/{name}.h5", model=model, optimizer=opt, state=state)
+    rng = info["state"]["rng"]
+    with open(f"{out}/{name}-state-w{w}.json", "w") as f:  # each worker got its own back
+        json.dump({"who": state["who"], "rng": bool(torch.equal(rng, own["rng"]))}, f)
     steps(model, opt, info["step"], 8)
     opt.close()
     dump(f"{name}-resumed", model)
@@ -112,6 +117,20 @@ if mode == "resume":
     steps(model2, opt2, 0, 1)
     opt2.close()
     dump("after-close", model)
+    # collectives among the workers for a script's own metrics and decisions
+    x = torch.tensor([1.5 * (w + 1), -float(w)], dtype=torch.bfloat16)
+    got = {
+        "mean": geompi.all_reduce(x).float().tolist(),
+        "sum": geompi.all_reduce(x, op="sum").float().tolist(),
+        "max": geompi.all_reduce(torch.tensor([w, 10 - w]), op="max").tolist(),
+        "min_dtype": str(geompi.all_reduce(torch.tensor([w]), op="min").dtype),
+        "obj": geompi.broadcast_object({"from": w, "items": [w, "x"]}, root=1),
+        "local": geompi.local_worker_rank(),
+    }
+    with open(f"{out}/collectives-w{w}.json", "w") as f:
+        json.dump(got, f)
+elif mode == "mismatch":  # worker 1 reduces another shape: one line, every rank stops
+    geompi.all_reduce(torch.zeros(3 if w == 1 else 2))
 elif mode == "closed":
     model, opt = build("fsa")
     steps(model, opt, 0, 2)

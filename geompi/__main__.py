@@ -1,0 +1,7 @@
+"""``python -m geompi``: the ``geompi`` command (see :mod:`geompi.cli`)."""
+
+import sys
+
+from geompi.cli import main
+
+sys.exit(main())
