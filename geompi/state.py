@@ -119,7 +119,8 @@ def _gather_local(optimizer, engine, model) -> list[dict] | None:
 
     names = param_names(model, optimizer)
     mine: dict[str, dict[str, torch.Tensor]] = {}
-    for idx, entries in optimizer.state_dict()["state"].items():  # HFA: local, no collective
+    base = getattr(optimizer, "_geompi_base", type(optimizer))  # torch's own: no SAVE round
+    for idx, entries in base.state_dict(optimizer)["state"].items():
         for key, value in entries.items():
             if isinstance(value, torch.Tensor):
                 mine.setdefault(key, {})[names[idx]] = value.detach().cpu().clone()
@@ -252,6 +253,8 @@ def load(
             raise err
         return info
     session.fail_together(s, err)
+    if engine is None and s.optimizer is not None and not s.optimizer._geompi.closed:
+        engine, held = s.optimizer._geompi, None  # a closed optimizer's file, a newer job
     if engine is not None:  # the master's values (and the servers' state) reach every rank
         engine.restore(held, "geompi.load", new_model=True)
     return info

@@ -217,6 +217,8 @@ def test_digits_without_scikit_learn_says_what_to_install(
     from geompi.errors import DataError
 
     monkeypatch.setitem(sys.modules, "sklearn", None)  # not installed: find_spec and import fail
+    # (an earlier test may have imported it: its submodule would still import)
+    monkeypatch.setitem(sys.modules, "sklearn.datasets", None)
     with pytest.raises(DataError) as e:
         load_dataset("digits")
     msg = str(e.value)
