@@ -111,18 +111,21 @@ def DistributedOptimizer(  # noqa: N802 - a factory named like the class it retu
         settings = _call_settings(optimizer, model, *args)
     with callwatch.call("DistributedOptimizer"):
         session.agree(s, err, "DistributedOptimizer", settings)
-        engine = Synchronizer(
-            optimizer,
-            model,
-            resolve(sync),
-            s,
-            bucket_mb=bucket_mb,
-            max_grad_norm=max_grad_norm,
-            passes=backward_passes_per_step,
-            server_spec=server_spec,
-            wan=wan,
-            lan_reduce=lan_reduce,
-        )
+        try:  # its checks (the key count) come before its first collective call
+            engine = Synchronizer(
+                optimizer,
+                model,
+                resolve(sync),
+                s,
+                bucket_mb=bucket_mb,
+                max_grad_norm=max_grad_norm,
+                passes=backward_passes_per_step,
+                server_spec=server_spec,
+                wan=wan,
+                lan_reduce=lan_reduce,
+            )
+        except GeompiError as e:  # the same on every worker: the settings agree
+            session.exit_identically(s, e)
         wrap(optimizer, engine)
         engine.start()
     return cast(GeompiOptimizer, optimizer)  # its class swapped
@@ -206,10 +209,6 @@ def _validate(optimizer, model, sync, s, bucket_mb, max_grad_norm, passes, wan) 
                 f"parameter {name} is {p.dtype}: geompi synchronizes fp32 parameters; keep "
                 "the model in fp32 and use torch.autocast for bf16/fp16 compute"
             )
-    fragments = getattr(algo, "fragments", 1) if algo.local_steps else 1
-    check_key_count(
-        Buckets(list(model.named_parameters()), int(bucket_mb * 2**20), fragments), bucket_mb
-    )
     return algo.server_spec(optimizer)
 
 
