@@ -77,8 +77,8 @@ class RunConfig:
     bucket_mb: float = 1.0
     lan_reduce: str = "auto"
     # HFA
-    k1: int = 1
-    k2: int = 1
+    k1: int = 4  # geompi.HFA's defaults (tests/test_defaults.py holds them equal)
+    k2: int = 2
     hfa_weighting: str = "samples"
     hfa_reset_optimizer: bool = False
     outer_optimizer: str = "sgd"

@@ -26,7 +26,7 @@ def cfg(*argv: str, env: dict[str, str] | None = None, **kwargs) -> RunConfig:
 def test_defaults_without_flags_or_environment() -> None:
     c = cfg().validate()
     assert c == RunConfig()
-    assert (c.sync, c.optimizer, c.k1, c.k2, c.batch_size) == ("fsa", "sgd", 1, 1, 16)
+    assert (c.sync, c.optimizer, c.k1, c.k2, c.batch_size) == ("fsa", "sgd", 4, 2, 16)
     assert (c.dcs, c.dc_sizes, c.global_servers) == (None, None, None)
     assert c.effective_lr == 0.05
     assert c.sources == {}
@@ -98,7 +98,7 @@ def test_geompi_environment_variables() -> None:
 
 
 def test_blank_environment_variables_are_ignored() -> None:
-    assert cfg(env={"GEOMPI_HFA_K1": "  ", "GEOMPI_DCS": ""}).k1 == 1
+    assert cfg(env={"GEOMPI_HFA_K1": "  ", "GEOMPI_DCS": ""}).k1 == 4
 
 
 def test_env_none_reads_os_environ(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -154,10 +154,10 @@ def test_mxnet_use_hfa_bad_value() -> None:
 
 def test_mxnet_k1_alone() -> None:
     c = cfg(env={"MXNET_KVSTORE_HFA_K1": "5"})
-    assert c.k1 == 5 and c.k2 == 1
+    assert c.k1 == 5 and c.k2 == 2
     assert c.sources == {"k1": "MXNET_KVSTORE_HFA_K1"}
     c = cfg(env={"MXNET_KVSTORE_HFA_K2": "7"})
-    assert c.k2 == 7 and c.k1 == 1
+    assert c.k2 == 7 and c.k1 == 4
 
 
 def test_mxnet_and_geompi_spelling_equal_is_fine() -> None:

@@ -32,8 +32,8 @@ class HFA(Algorithm):
 
     name: ClassVar[str] = "hfa"
     local_steps: ClassVar[bool] = True
-    k1: int = 8
-    k2: int = 4
+    k1: int = 4  # the one default of K1 and K2: the CLI's and the Slurm script's too
+    k2: int = 2
     weighting: str = "samples"  # or "uniform": every datacenter the same (GeoMX's)
     outer_optimizer: str = "sgd"  # or "nesterov" (DiLoCo's outer step)
     outer_lr: float = 1.0
