@@ -17,8 +17,12 @@ from typing import Any, NoReturn
 
 import torch
 
-from geompi import ckpt
+from geompi.ckpt.reader import Checkpoint
 from geompi.errors import CheckpointError
+
+_GROUPS = "param_groups"  # optimizer attribute: the param groups, params as names (JSON)
+_NONE = "none_states"  # optimizer attribute: [param name, state name] whose value was None
+_NUMBERS = "number_states"  # optimizer attribute: [param name, state name, "int"|"float"]
 
 # A counter beyond this is no real run (a trillion steps): a file claiming 2**62 would resume
 # and "finish" without training.
@@ -44,7 +48,7 @@ _SAME_GROUPS = "build the optimizer with the same param groups"
 _SETTINGS = (bool, str, type(None))  # flags and names: foreach, fused, line_search_fn, ...
 
 
-def check_checkpoint(ck: ckpt.Checkpoint, names: Sequence[str], optimizer: Any) -> None:
+def check_checkpoint(ck: Checkpoint, names: Sequence[str], optimizer: Any) -> None:
     """Refuse, in one line naming ``ck``'s file, counters or optimizer data that cannot be
     resumed: ``names`` are the parameter names of ``optimizer`` (None: the model only)."""
     for what in ("step", "epoch"):
@@ -54,10 +58,16 @@ def check_checkpoint(ck: ckpt.Checkpoint, names: Sequence[str], optimizer: Any) 
         "Distributed"
     ):
         return  # the model only, or another optimizer class, which geompi.state refuses
-    groups = _json(ck.path, attrs, "param_groups", required=True)
-    nones = _json(ck.path, attrs, "none_states")
-    numbers = _json(ck.path, attrs, "number_states")
+    groups = _json(ck.path, attrs, _GROUPS, required=True)
     check_param_groups(ck.path, groups, optimizer.param_groups, names)
+    _check_states(ck, names)
+
+
+def _check_states(ck: Checkpoint, names: Sequence[str]) -> None:
+    """The file's none/number state lists and its state tensors (finite, counters in range)."""
+    attrs = ck.optimizer_attrs
+    nones = _json(ck.path, attrs, _NONE)
+    numbers = _json(ck.path, attrs, _NUMBERS)
     known = {(p, k) for k, table in ck.optimizer.items() for p in table}
     _state_lists(ck.path, nones, numbers, names, known)
     kinds = {(p, k): kind for p, k, kind in numbers}
@@ -137,6 +147,63 @@ def _number(path: object, where: str, value: float, key: str) -> None:
     lo, hi, what = RANGES.get(key, (-MAX_MAGNITUDE, MAX_MAGNITUDE, "a sane number"))
     if not lo <= value <= hi:
         _refuse(path, f"{where}: outside [{lo:g}, {hi:g}] for {what}")
+
+
+def torch_state(ck: Checkpoint, names: list[str]) -> dict:
+    """Rebuild torch's optimizer state_dict from the file's tables (``names``: the parameter
+    name of each index, in torch's order)."""
+    attrs = ck.optimizer_attrs
+    try:
+        groups = json.loads(attrs[_GROUPS])
+        nones = json.loads(attrs.get(_NONE, "[]"))
+        numbers = json.loads(attrs.get(_NUMBERS, "[]"))
+    except (KeyError, TypeError, ValueError):
+        raise CheckpointError(
+            f"{ck.path}: its optimizer has no readable param groups: was it written by geompi.save?"
+        ) from None
+    index = {n: i for i, n in enumerate(names)}
+    state: dict[int, dict[str, Any]] = {}
+    for key, table in ck.optimizer.items():
+        for pname, value in table.items():
+            if pname not in index:
+                raise CheckpointError(
+                    f"{ck.path}: optimizer state for {pname}, which this optimizer does not "
+                    "hold: build it on the same parameters"
+                )
+            state.setdefault(index[pname], {})[key] = value
+    for pname, key in nones:
+        state.setdefault(index[pname], {})[key] = None
+    for pname, key, kind in numbers:
+        v = state[index[pname]][key]
+        state[index[pname]][key] = int(v) if kind == "int" else float(v)
+    for g in groups:
+        g["params"] = [index[n] for n in g["params"]]
+    return {"state": state, "param_groups": groups}
+
+
+def exported_state(ck: Checkpoint) -> dict:
+    """The optimizer of a ``geompi.save`` file as torch's ``state_dict()``, for ``python -m
+    geompi.ckpt export --optimizer``: what ``load_state_dict`` of the same ``torch.optim``
+    class, built on ``model.parameters()``'s param groups, accepts. Checked as ``geompi.load``
+    checks it (the file is untrusted); the parameters' order is the param groups' own."""
+    groups = _json(ck.path, ck.optimizer_attrs, _GROUPS, required=True)
+    if not isinstance(groups, list) or not all(
+        isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups
+    ):
+        _refuse(ck.path, "its optimizer param_groups are not a list of JSON objects with params")
+    names = [n for g in groups for n in g["params"]]
+    if not all(isinstance(n, str) and n in ck.model for n in names) or len(set(names)) != len(
+        names
+    ):
+        _refuse(ck.path, f"its optimizer param_groups name {_short(names)}, not /model's tensors")
+    check_param_groups(ck.path, groups, groups, names)  # the ranges a run can use
+    _check_states(ck, names)
+    sd = torch_state(ck, names)
+    for g in sd["param_groups"]:  # JSON made torch's tuples (Adam's betas) lists
+        for k, v in g.items():
+            if k != "params" and isinstance(v, list):
+                g[k] = tuple(v)
+    return sd
 
 
 def _state_lists(

@@ -17,11 +17,8 @@ import torch
 
 from geompi import ckpt, user_state
 from geompi.errors import CheckpointError, ConfigError, GeompiError
-from geompi.optimizer_json import check_checkpoint
+from geompi.optimizer_json import _GROUPS, _NONE, _NUMBERS, check_checkpoint, torch_state
 
-_GROUPS = "param_groups"  # optimizer attribute: the param groups, params as names (JSON)
-_NONE = "none_states"  # optimizer attribute: [param name, state name] whose value was None
-_NUMBERS = "number_states"  # optimizer attribute: [param name, state name, "int"|"float"]
 OUTER_KEY = "geompi_outer_momentum"  # in state_dict(): HFA's outer momentum, by param index
 UPDATES_KEY = "geompi_global_updates"  # in state_dict(): the global servers' update count
 _USER = "user_state"  # /progress/user_state/worker<i>: geompi.save(state=...)
@@ -279,7 +276,7 @@ def _restore(ck: ckpt.Checkpoint, model: torch.nn.Module, optimizer, engine, s) 
             f"run's optimizer is {type(optimizer).__name__}: build the same optimizer class"
         )
     names = param_names(model, optimizer)
-    sd = _torch_state(ck, names)
+    sd = torch_state(ck, names)
     hfa = ck.algorithm.get("hfa", {})
     local = hfa.get("local", {})
     if engine is not None and engine.algo.local_steps and local:
@@ -440,34 +437,3 @@ def _number(value: Any) -> Any:
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         return value.item()
     raise TypeError(f"{type(value).__name__} is not JSON serializable")
-
-
-def _torch_state(ck: ckpt.Checkpoint, names: list[str]) -> dict:
-    """Rebuild torch's optimizer state_dict from the file's tables."""
-    attrs = ck.optimizer_attrs
-    try:
-        groups = json.loads(attrs[_GROUPS])
-        nones = json.loads(attrs.get(_NONE, "[]"))
-        numbers = json.loads(attrs.get(_NUMBERS, "[]"))
-    except (KeyError, TypeError, ValueError):
-        raise CheckpointError(
-            f"{ck.path}: its optimizer has no readable param groups: was it written by geompi.save?"
-        ) from None
-    index = {n: i for i, n in enumerate(names)}
-    state: dict[int, dict[str, Any]] = {}
-    for key, table in ck.optimizer.items():
-        for pname, value in table.items():
-            if pname not in index:
-                raise CheckpointError(
-                    f"{ck.path}: optimizer state for {pname}, which this optimizer does not "
-                    "hold: build it on the same parameters"
-                )
-            state.setdefault(index[pname], {})[key] = value
-    for pname, key in nones:
-        state.setdefault(index[pname], {})[key] = None
-    for pname, key, kind in numbers:
-        v = state[index[pname]][key]
-        state[index[pname]][key] = int(v) if kind == "int" else float(v)
-    for g in groups:
-        g["params"] = [index[n] for n in g["params"]]
-    return {"state": state, "param_groups": groups}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import pathlib
 import sys
@@ -13,7 +14,7 @@ from typing import Any
 import h5py
 import torch
 
-from geompi.ckpt.export import EXPORT_SUFFIXES, export
+from geompi.ckpt.export import EXPORT_SUFFIXES, NothingToExport, export
 from geompi.ckpt.files import _reason, list_checkpoints
 from geompi.ckpt.reader import Checkpoint, _Problem, _Reader, _verify, load
 from geompi.ckpt.writer import save
@@ -33,66 +34,126 @@ def _fmt(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value)
 
 
-def _stats(t: torch.Tensor) -> str:
+INSPECT_SCHEMA = 1  # inspect --json's "schema": raised when a key changes meaning or goes
+
+
+def _stats_of(t: torch.Tensor) -> dict[str, Any] | None:
+    """min, max, mean, norm (complex: mean as [re, im], norm); None for an empty tensor."""
     if t.numel() == 0:
-        return "empty"
+        return None
     if t.is_complex():
         d = t.to(torch.complex128)
-        return f"mean={complex(d.mean()):.6g} norm={float(d.abs().norm()):.6g}"
+        m = complex(d.mean())
+        return {"mean": [m.real, m.imag], "norm": float(d.abs().norm())}
     d = t.to(torch.float64)
-    return (
-        f"min={float(d.min()):.6g} max={float(d.max()):.6g} mean={float(d.mean()):.6g} "
-        f"norm={float(d.norm()):.6g}"
-    )
+    return {k: float(getattr(d, k)()) for k in ("min", "max", "mean", "norm")}
 
 
-def _inspect(path: str) -> int:
+def _stats(t: torch.Tensor) -> str:
+    st = _stats_of(t)
+    if st is None:
+        return "empty"
+    if t.is_complex():
+        return f"mean={complex(*st['mean']):.6g} norm={st['norm']:.6g}"
+    return " ".join(f"{k}={v:.6g}" for k, v in st.items())
+
+
+def _walk(reader: _Reader, f: h5py.File) -> list[tuple[str, dict]]:
+    """The groups and datasets under the root, in file order (a group before its children):
+    ("group", {"path", "attributes"}) and ("dataset", {"path", "kind": "tensor"|"bytes"|
+    "unreadable", "dtype", "shape", "bytes", "stats"}), as inspect shows them."""
+    events: list[tuple[str, dict]] = []
+
+    def walk(group: h5py.Group) -> None:
+        events.append(("group", {"path": group.name, "attributes": reader.attrs_of(group)}))
+        for obj in group.values():
+            if isinstance(obj, h5py.Group):
+                walk(obj)
+                continue
+            value = reader.dataset(obj)
+            row: dict[str, Any] = {"path": obj.name, "kind": "unreadable"}
+            if isinstance(value, bytes):
+                row.update(kind="bytes", dtype="bytes", shape=[len(value)], bytes=len(value))
+                row["stats"] = None
+            elif value is not None:
+                row.update(kind="tensor", dtype=str(value.dtype).removeprefix("torch."))
+                row.update(shape=list(value.shape), bytes=value.numel() * value.element_size())
+                row["stats"] = _stats_of(value)
+                row["_tensor"] = value
+            events.append(("dataset", row))
+
+    try:
+        for obj in f.values():
+            if isinstance(obj, h5py.Group):
+                walk(obj)
+    except _Problem:  # pragma: no cover - only fatal problems raise, and those came earlier
+        pass
+    return events
+
+
+def _inspect(path: str, as_json: bool = False) -> int:
     reader = _Reader(path, collect=False, full=False)
     with reader.open() as f:
         attrs = reader.header(f)  # a file that cannot be interpreted raises here
         reader.collect = True  # from here on show what can be shown and report the rest
-        total_tensors = total_bytes = 0
-        print(f"{path}  ({os.path.getsize(path)} bytes on disk)")
-        for key, value in attrs.items():
-            print(f"  @{key} = {_fmt(value)}")
-
-        def walk(group: h5py.Group, depth: int) -> None:
-            nonlocal total_tensors, total_bytes
-            pad = "  " * depth
-            for key, value in reader.attrs_of(group).items():
-                print(f"{pad}@{key} = {_fmt(value)}")
-            for name, obj in group.items():
-                if isinstance(obj, h5py.Group):
-                    print(f"{pad}{name}/")
-                    walk(obj, depth + 1)
-                    continue
-                value = reader.dataset(obj)
-                if isinstance(value, bytes):
-                    print(f"{pad}{name}  bytes  [{len(value)}]  {len(value)} B")
-                    total_tensors += 1
-                    total_bytes += len(value)
-                elif value is not None:
-                    nbytes = value.numel() * value.element_size()
-                    dt = str(value.dtype).removeprefix("torch.")
-                    print(f"{pad}{name}  {dt}  {list(value.shape)}  {nbytes} B  {_stats(value)}")
-                    total_tensors += 1
-                    total_bytes += nbytes
-                else:
-                    print(f"{pad}{name}  UNREADABLE (see the errors below)")
-
-        try:
-            for name, obj in f.items():
-                if isinstance(obj, h5py.Group):
-                    print(f"/{name}/")
-                    walk(obj, 1)
-        except _Problem:  # pragma: no cover - only fatal problems raise, and those came earlier
-            pass
+        events = _walk(reader, f)
         if not reader.problems:  # shown, but flagged: attributes or structure changed
             reader.check_digest(f)
-    print(f"{total_tensors} tensors, {total_bytes} bytes")
+    datasets = [row for kind, row in events if kind == "dataset"]
+    readable = [d for d in datasets if d["kind"] != "unreadable"]
+    total_bytes = sum(d["bytes"] for d in readable)
+    if as_json:
+        doc = {
+            "schema": INSPECT_SCHEMA,
+            "file": path,
+            "file_bytes": os.path.getsize(path),
+            "attributes": attrs,
+            "groups": {row["path"]: row["attributes"] for kind, row in events if kind == "group"},
+            "tensors": [{k: v for k, v in d.items() if k != "_tensor"} for d in datasets],
+            "total_tensors": len(readable),
+            "total_bytes": total_bytes,
+            "problems": reader.problems,
+        }
+        print(json.dumps(_plain(doc), indent=1, allow_nan=False))
+    else:
+        _print_inspect(path, attrs, events)
+        print(f"{len(readable)} tensors, {total_bytes} bytes")
     for line in reader.problems:
         _print_error(line)
     return 1 if reader.problems else 0
+
+
+def _plain(value: Any) -> Any:
+    """JSON-safe: a non-finite float as the string "nan", "inf" or "-inf"."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _print_inspect(path: str, attrs: dict, events: list[tuple[str, dict]]) -> None:
+    print(f"{path}  ({os.path.getsize(path)} bytes on disk)")
+    for key, value in attrs.items():
+        print(f"  @{key} = {_fmt(value)}")
+    for kind, row in events:
+        depth = row["path"].count("/")
+        name = row["path"] if depth == 1 else row["path"].rsplit("/", 1)[1]
+        if kind == "group":
+            print(f"{'  ' * (depth - 1)}{name}/")
+            for key, value in row["attributes"].items():
+                print(f"{'  ' * depth}@{key} = {_fmt(value)}")
+            continue
+        pad = "  " * (depth - 1)
+        if row["kind"] == "bytes":
+            print(f"{pad}{name}  bytes  [{row['bytes']}]  {row['bytes']} B")
+        elif row["kind"] == "tensor":
+            stats = _stats(row["_tensor"])
+            print(f"{pad}{name}  {row['dtype']}  {row['shape']}  {row['bytes']} B  {stats}")
+        else:
+            print(f"{pad}{name}  UNREADABLE (see the errors below)")
 
 
 def _flatten(ck: Checkpoint) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -147,7 +208,38 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
-def _diff(path_a: str, path_b: str) -> int:
+def _outside(a: torch.Tensor, b: torch.Tensor, atol: float, rtol: float) -> bool:
+    """Whether some element differs by more than atol + rtol * |b| (NaN matches NaN only)."""
+    if a.numel() == 0:
+        return False
+    kind = torch.complex128 if a.is_complex() or b.is_complex() else torch.float64
+    x, y = a.to(kind), b.to(kind)
+    return not bool(torch.isclose(x, y, rtol=rtol, atol=atol, equal_nan=True).all())
+
+
+def _diff_tensor(key: str, a: torch.Tensor, b: torch.Tensor, tol: tuple | None) -> int:
+    """Print one tensor's line of diff; 1 if it counts as a difference."""
+    da, db = (str(t.dtype).removeprefix("torch.") for t in (a, b))
+    if da != db:
+        print(f"{key}: dtype {da} != {db}")
+        return 1
+    if a.shape != b.shape:
+        print(f"{key}: shape {list(a.shape)} != {list(b.shape)}")
+        return 1
+    diff = _max_abs_diff(a, b)
+    if tol is None:
+        same = _same_bits(a, b)
+        print(f"{key}: max abs diff {diff:.6g}{'' if same else '  (differs)'}")
+        return int(not same)
+    if _outside(a, b, *tol):
+        print(f"{key}: max abs diff {diff:.6g}  (differs beyond atol={tol[0]:g} rtol={tol[1]:g})")
+        return 1
+    print(f"{key}: max abs diff {diff:.6g}{'  (within tolerance)' if diff else ''}")
+    return 0
+
+
+def _diff(path_a: str, path_b: str, tol: tuple[float, float] | None = None) -> int:
+    """``tol``: (atol, rtol), else every tensor must be bitwise the same."""
     try:
         ta, aa = _flatten(load(path_a))
         tb, ab = _flatten(load(path_b))
@@ -155,21 +247,11 @@ def _diff(path_a: str, path_b: str) -> int:
         _print_error(str(e))
         return 2  # like diff(1): trouble is 2, different is 1
     differences = 0
+    offending = []
     for key, a in ta.items():
-        if key not in tb:
-            continue
-        b = tb[key]
-        da, db = (str(t.dtype).removeprefix("torch.") for t in (a, b))
-        if da != db:
-            print(f"{key}: dtype {da} != {db}")
+        if key in tb and _diff_tensor(key, a, tb[key], tol):
             differences += 1
-        elif a.shape != b.shape:
-            print(f"{key}: shape {list(a.shape)} != {list(b.shape)}")
-            differences += 1
-        else:
-            same = _same_bits(a, b)
-            print(f"{key}: max abs diff {_max_abs_diff(a, b):.6g}{'' if same else '  (differs)'}")
-            differences += not same
+            offending.append(key)
     for key in ta:
         if key not in tb:
             print(f"only in A: {key}")
@@ -188,8 +270,27 @@ def _diff(path_a: str, path_b: str) -> int:
         elif aa[key] != ab[key]:
             print(f"attribute {key}: {_fmt(aa[key])} != {_fmt(ab[key])}")
             differences += 1
+    if offending:
+        print(f"tensors that differ: {' '.join(offending)}")
     print("identical" if differences == 0 else f"{differences} differences")
     return 0 if differences == 0 else 1
+
+
+def _tolerance(atol: str | None, rtol: str | None) -> tuple[float, float] | None:
+    """(atol, rtol) from the command line, None for neither (exact); a bad value is a
+    _UsageError."""
+    if atol is None and rtol is None:
+        return None
+    out = []
+    for flag, text in (("--atol", atol), ("--rtol", rtol)):
+        try:
+            value = float(text) if text is not None else 0.0
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and value >= 0):
+            raise _UsageError(f"{flag} {text}: must be a finite number >= 0")
+        out.append(value)
+    return out[0], out[1]
 
 
 def _ls(directory: str) -> int:
@@ -233,12 +334,15 @@ def _cmd_verify(paths: list[str]) -> int:
     return 1 if bad else 0
 
 
-def _cmd_export(path: str, out: str) -> int:
+def _cmd_export(path: str, out: str, optimizer: bool = False) -> int:
     if pathlib.Path(out).suffix.lower() not in EXPORT_SUFFIXES:
         raise _UsageError(
             f"cannot export to {out}: unknown suffix (use {', '.join(EXPORT_SUFFIXES)})"
         )
-    export(path, out)
+    try:
+        export(path, out, optimizer=optimizer)
+    except NothingToExport as e:
+        raise _UsageError(str(e)) from None
     print(f"wrote {out}")
     return 0
 
@@ -280,14 +384,22 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = sub.add_parser("inspect", help="attributes and tensors (shape, dtype, size, statistics)")
     p.add_argument("file")
+    p.add_argument("--json", action="store_true", help="one JSON document on stdout")
     p = sub.add_parser("verify", help="check every checksum and attribute; exit 1 if bad")
     p.add_argument("files", nargs="+", metavar="file")
     p = sub.add_parser("diff", help="max abs difference per tensor; exit 1 if different")
     p.add_argument("a")
     p.add_argument("b")
+    p.add_argument("--atol", metavar="X", help="equal within |a-b| <= X + RTOL*|b| (default exact)")
+    p.add_argument("--rtol", metavar="X", help="relative tolerance (default exact)")
     p = sub.add_parser("export", help="write the model as .pt, .safetensors or .npz")
     p.add_argument("file")
     p.add_argument("--to", required=True, metavar="OUT")
+    p.add_argument(
+        "--optimizer",
+        action="store_true",
+        help='.pt only: {"model": ..., "optimizer": ...} in torch\'s formats',
+    )
     p = sub.add_parser(
         "resave", help="write a checkpoint of an older geompi (no content digest) again"
     )
@@ -309,13 +421,13 @@ def main(argv: list[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) else 0
     try:
         if args.command == "inspect":
-            return _inspect(args.file)
+            return _inspect(args.file, args.json)
         if args.command == "verify":
             return _cmd_verify(args.files)
         if args.command == "diff":
-            return _diff(args.a, args.b)
+            return _diff(args.a, args.b, _tolerance(args.atol, args.rtol))
         if args.command == "export":
-            return _cmd_export(args.file, args.to)
+            return _cmd_export(args.file, args.to, args.optimizer)
         if args.command == "resave":
             return _cmd_resave(args.file, args.out)
         return _ls(args.directory)
