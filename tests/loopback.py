@@ -66,6 +66,7 @@ class Request:
     what: str
     done: bool = False
     status: Status = field(default_factory=Status)
+    error: str | None = None  # a receive's truncation: raised by the receiver's Test/Wait
     _then: Callable[[], None] | None = None  # runs once, when it completes (under the lock)
 
     def _complete(self) -> None:
@@ -75,6 +76,8 @@ class Request:
 
     def Test(self, status: Status | None = None) -> bool:  # noqa: N802
         self.world._check()
+        if self.error is not None:
+            raise LoopbackError(self.error)
         if self.done and status is not None:
             status.source, status.tag, status.count = (
                 self.status.source,
@@ -98,7 +101,7 @@ class Request:
         world = reqs[0].world
         deadline = time.monotonic() + world.timeout
         with world.cond:
-            while not all(r.done for r in reqs):
+            while not Request.Testall(reqs):
                 world._check()
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -176,11 +179,13 @@ class LoopbackWorld:
 
     @staticmethod
     def _fill(r: _Recv, source: int, tag: int, data: bytes) -> None:
-        if len(data) > r.buf.nbytes:
-            raise LoopbackError(
+        if len(data) > r.buf.nbytes:  # MPI_ERR_TRUNCATE, at the receiver
+            r.request.error = (
                 f"truncated: a message of {len(data)} bytes for a {r.buf.nbytes}-byte buffer "
                 f"({r.request.what})"
             )
+            r.request._complete()
+            return
         r.buf[: len(data)] = np.frombuffer(data, dtype=np.uint8)
         r.request.status = Status(source, tag, len(data))
         r.request._complete()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
 
@@ -22,12 +23,20 @@ from geompi.ps.client import PSClient
 from geompi.ps.global_server import GlobalServer
 from geompi.ps.local_server import LocalServer
 from geompi.ps.optim import DCASGD, SGD, Adam, spec_to_dict
-from geompi.ps.protocol import FLAG_GLOBAL, FLAG_RAW, FLAG_SUM, Op, Round
+from geompi.ps.protocol import (
+    FLAG_GLOBAL,
+    FLAG_PRESENCE,
+    FLAG_RAW,
+    FLAG_SUM,
+    Op,
+    Round,
+    presence_payload,
+)
 
 try:
-    from loopback import LoopbackWorld, run_ranks
+    from loopback import ANY_SOURCE, LoopbackError, LoopbackWorld, Status, run_ranks
 except ImportError:  # tests/ imported as a package
-    from tests.loopback import LoopbackWorld, run_ranks
+    from tests.loopback import ANY_SOURCE, LoopbackError, LoopbackWorld, Status, run_ranks
 
 DC_SIZES = (4, 2)  # DC 0: workers 0-2 + local server 3; DC 1: worker 4 + local server 5
 G = 2  # global servers: ranks 6 and 7
@@ -80,11 +89,11 @@ def run_job(
 
 
 def round_trip(
-    client: PSClient, op: Op, pushes: list[torch.Tensor], weight: float = 0.0, **kw
+    client: PSClient, op: Op, pushes: list[torch.Tensor], weight: float = 0.0, keys=KEYS, **kw
 ) -> list[torch.Tensor]:
-    """One round of every key: push ``pushes``, return what the local server answers."""
-    outs = [torch.full((n,), float("nan")) for _, n in KEYS]
-    reqs = client.start(op, KEYS, weight, **kw)
+    """One round of ``keys``: push ``pushes``, return what the local server answers."""
+    outs = [torch.full((n,), float("nan")) for _, n in keys]
+    reqs = client.start(op, keys, weight, **kw)
     for p in pushes:
         client.push(reqs, p)
     for o in outs:
@@ -93,12 +102,14 @@ def round_trip(
     return outs
 
 
-def init_round(rank: int, client: PSClient, spec: dict | None) -> list[torch.Tensor]:
-    """As DistributedOptimizer does: the master pushes its values (and the spec), others 0."""
+def init_round(rank: int, client: PSClient, spec: dict | None, keys=KEYS) -> list[torch.Tensor]:
+    """As DistributedOptimizer does: the master pushes its values (and the spec), others 0
+    (a presence key, the last of ``keys`` where there is one, zeros from everyone)."""
     master = rank == 0
     payload = json.dumps(spec).encode() if spec and master else None
     pushes = [v.clone() if master else torch.zeros_like(v) for v in INIT]
-    return round_trip(client, Op.INIT, pushes, spec=payload)
+    pushes += [torch.zeros(n) for _, n in keys[len(INIT) :]]
+    return round_trip(client, Op.INIT, pushes, spec=payload, keys=keys)[: len(INIT)]
 
 
 def shards(servers: dict, key: int) -> list[torch.Tensor]:
@@ -223,6 +234,68 @@ def test_nonfinite_datacenter_is_skipped_or_aborts() -> None:
     assert issubclass(NonFiniteError, Exception)
 
 
+# Presence (FSA with the optimizer on the servers): key 0 holds parameters "a" (4 values, across
+# both shards) and "b" (3), key 1 holds "c" (5); the presence key counts, per global server, the
+# workers with a gradient for each parameter.
+LAYOUT = [[0, [["a", 0, 4], ["b", 4, 3]]], [1, [["c", 0, 5]]]]
+PKEY, NPARAMS = 99, 3
+ABSENT = {1: {"b": "all", "a": "some"}}  # step 1: no worker has b; only worker 0 has a
+
+
+def has_grad(rank: int, step: int, name: str) -> bool:
+    absent = ABSENT.get(step, {}).get(name)
+    return absent is None or (absent == "some" and rank == WORKERS[0])
+
+
+def sparse_grad(rank: int, step: int) -> list[torch.Tensor]:
+    """grad() with zeros where this worker has no gradient, as its buckets hold them."""
+    g = grad(rank, step)
+    for i, params in LAYOUT:
+        for name, off, n in params:
+            if not has_grad(rank, step, name):
+                g[i][off : off + n] = 0.0
+    return g
+
+
+def test_fsa_servers_skip_parameters_no_worker_has_a_gradient_for() -> None:
+    """FLAG_PRESENCE: a parameter that no worker produced a gradient for is left alone by the
+    global servers, momentum included, as torch.optim leaves a parameter whose grad is None; one
+    that some workers have is stepped on the sum over all workers / the total weight."""
+    spec = {"optimizer": spec_to_dict(SGD(lr=0.1, momentum=0.9)), "layout": LAYOUT}
+    spec["presence_key"] = PKEY
+    keys = KEYS + [(PKEY, G * NPARAMS)]
+    names = [name for _, params in LAYOUT for name, *_ in params]
+
+    def work(rank: int, client: PSClient) -> list[torch.Tensor]:
+        init_round(rank, client, spec, keys)
+        for step in range(STEPS):
+            w = WEIGHT[rank]
+            counts = torch.tensor([float(has_grad(rank, step, n)) for n in names]).repeat(G)
+            pushes = [g * w for g in sparse_grad(rank, step)] + [presence_payload(counts)]
+            out = round_trip(client, Op.GRAD, pushes, w, flags=FLAG_PRESENCE, keys=keys)
+        return out[:-1]
+
+    seen, servers = run_job(work)
+    split = {"a": INIT[0][:4], "b": INIT[0][4:], "c": INIT[1]}
+    model = {n: torch.nn.Parameter(v.clone()) for n, v in split.items()}
+    opt = torch.optim.SGD(model.values(), lr=0.1, momentum=0.9)
+    total = sum(WEIGHT.values())
+    for step in range(STEPS):
+        g = [sum(sparse_grad(r, step)[i] * WEIGHT[r] for r in WORKERS) / total for i in (0, 1)]
+        by_name = {"a": g[0][:4], "b": g[0][4:], "c": g[1]}
+        for n, p in model.items():
+            here = any(has_grad(r, step, n) for r in WORKERS)
+            p.grad = by_name[n] if here else None
+        opt.step()
+    want = [torch.cat([model["a"], model["b"]]).detach(), model["c"].detach()]
+    assert not torch.equal(want[0][4:], INIT[0][4:])  # b moved at the other steps
+    for rank in WORKERS:
+        for got, exp in zip(seen[rank], want):
+            close(got, exp)
+    for i, (key, _) in enumerate(KEYS):
+        close(torch.cat(shards(servers, key)), want[i])
+
+
 # --- HFA: parameter averages --------------------------------------------------------------------
 def params(rank: int, rnd: int) -> list[torch.Tensor]:
     """A worker's parameters at datacenter round ``rnd`` (as if after its K1 local steps)."""
@@ -310,3 +383,40 @@ def test_mixed_dcasgd_policy_on_a_global_server_against_a_hand_replay() -> None:
         w = w - lr * (g + lam * g * g * (w - backup[d]))
         backup[d] = w.clone()
         close(gs.values[key], w)
+
+
+# --- the loopback itself ------------------------------------------------------------------------
+def test_loopback_matches_in_order_copies_at_send_and_allows_short_messages() -> None:
+    world = LoopbackWorld(3)
+    a, b, c = (world.comm(r) for r in range(3))
+    buf = np.arange(4, dtype=np.float32)
+    a.Isend(buf, 2, tag=5)
+    buf[:] = -1  # the send copied it when posted
+    b.Isend(np.full(2, 7.0, dtype=np.float32), 2, tag=5)
+    a.Isend(np.full(4, 9.0, dtype=np.float32), 2, tag=5)
+    first, second, third = (np.zeros(4, dtype=np.float32) for _ in range(3))
+    status = Status()
+    c.Irecv(first, 0, 5).Wait()  # from rank 0: its first message, not rank 1's
+    assert first.tolist() == [0, 1, 2, 3]
+    c.Irecv(second, ANY_SOURCE, 5).Wait(status)  # the earliest left: rank 1's, 8 bytes
+    assert second.tolist() == [7, 7, 0, 0] and (status.source, status.count) == (1, 8)
+    posted = c.Irecv(third, 0, 5)
+    assert posted.Test() and third.tolist() == [9, 9, 9, 9]
+    late = c.Irecv(third, 1, 6)  # posted before the message: completes when it comes
+    assert not late.Test() and not c.Iprobe(1, 6)
+    b.Isend(np.ones(8, dtype=np.float32), 2, tag=6)
+    with pytest.raises(LoopbackError, match="truncated: a message of 32 bytes for a 16-byte"):
+        late.Wait()
+
+
+def test_loopback_reports_a_stuck_rank_instead_of_hanging() -> None:
+    world = LoopbackWorld(2, timeout=30.0)
+
+    def waits_forever() -> None:
+        world.comm(1).Irecv(np.zeros(1), 0, 77).Wait()
+
+    with pytest.raises(AssertionError, match=r"ranks \[1\] still running.*rank 1 <-> 0 tag 77"):
+        run_ranks(world, {0: lambda: None, 1: waits_forever}, timeout=0.5)
+    quick = LoopbackWorld(2, timeout=0.3)
+    with pytest.raises(AssertionError, match="rank 1 failed: LoopbackError: no message in 0.3 s"):
+        run_ranks(quick, {0: lambda: None, 1: lambda: quick.comm(1).Irecv(np.zeros(1), 0).Wait()})
