@@ -25,8 +25,10 @@ from geompi.ps.local_server import LocalServer
 from geompi.ps.optim import DCASGD, SGD, Adam, spec_to_dict
 from geompi.ps.protocol import (
     FLAG_GLOBAL,
+    FLAG_MEAN,
     FLAG_PRESENCE,
     FLAG_RAW,
+    FLAG_SCATTER,
     FLAG_SUM,
     Op,
     Round,
@@ -133,13 +135,18 @@ def grad(rank: int, step: int) -> list[torch.Tensor]:
     return rand(1, rank, step)
 
 
-def fsa_worker(spec: dict | None, flags: int) -> Callable[[int, PSClient], object]:
+def fsa_worker(
+    spec: dict | None, flags: int, dc0_flags: int = 0
+) -> Callable[[int, PSClient], object]:
+    """``dc0_flags``: added by datacenter 0's workers only (a datacenter's own choice)."""
+
     def work(rank: int, client: PSClient) -> list[list[torch.Tensor]]:
         seen = [init_round(rank, client, spec)]
+        mine = flags | (dc0_flags if rank in dc_members(0) else 0)
         for step in range(STEPS):
             w = WEIGHT[rank]
             pushes = [g * w for g in grad(rank, step)]  # a worker pushes gradient x weight
-            seen.append(round_trip(client, Op.GRAD, pushes, w, flags=flags))
+            seen.append(round_trip(client, Op.GRAD, pushes, w, flags=mine))
         return seen
 
     return work
@@ -196,10 +203,13 @@ def test_fsa_servers_step_torch_optim_on_the_global_gradient(name: str, flags: i
     assert [servers[r].updates for r in TOPO.global_servers] == [STEPS * len(KEYS)] * G
 
 
-def test_fsa_raw_rounds_return_the_plain_weighted_sum() -> None:
+@pytest.mark.parametrize("scatter", [0, FLAG_SCATTER], ids=["funnel", "scatter"])
+def test_fsa_raw_rounds_return_the_plain_weighted_sum(scatter: int) -> None:
     """The Python API's default (FLAG_RAW): the servers neither step nor average; every
-    worker gets the sum over all workers of gradient x weight, and steps itself."""
-    seen, servers = run_job(fsa_worker(None, FLAG_RAW))
+    worker gets the sum over all workers of gradient x weight, and steps itself. With
+    FLAG_SCATTER, datacenter 0's three workers reduce-scatter among themselves first and each
+    pushes one summed slice (PSClient); datacenter 1's one worker pushes as before."""
+    seen, servers = run_job(fsa_worker(None, FLAG_RAW, dc0_flags=scatter))
     for rank in WORKERS:
         assert all(torch.equal(a, b) for a, b in zip(seen[rank][0], INIT))
         for step in range(STEPS):
@@ -238,7 +248,7 @@ def test_nonfinite_datacenter_is_skipped_or_aborts() -> None:
 # both shards) and "b" (3), key 1 holds "c" (5); the presence key counts, per global server, the
 # workers with a gradient for each parameter.
 LAYOUT = [[0, [["a", 0, 4], ["b", 4, 3]]], [1, [["c", 0, 5]]]]
-PKEY, NPARAMS = 99, 3
+PKEY, NPARAMS, MKEY = 99, 3, 98
 ABSENT = {1: {"b": "all", "a": "some"}}  # step 1: no worker has b; only worker 0 has a
 
 
@@ -257,13 +267,20 @@ def sparse_grad(rank: int, step: int) -> list[torch.Tensor]:
     return g
 
 
+def buffers(rank: int, step: int) -> torch.Tensor:
+    """A worker's BatchNorm-like buffers after a step (the mean key, FLAG_MEAN)."""
+    return rand(4, rank, step)[1][:3]
+
+
 def test_fsa_servers_skip_parameters_no_worker_has_a_gradient_for() -> None:
     """FLAG_PRESENCE: a parameter that no worker produced a gradient for is left alone by the
     global servers, momentum included, as torch.optim leaves a parameter whose grad is None; one
-    that some workers have is stepped on the sum over all workers / the total weight."""
+    that some workers have is stepped on the sum over all workers / the total weight.
+    FLAG_MEAN: the key before presence holds buffers x weight; the servers answer their
+    sample-weighted mean and never step it."""
     spec = {"optimizer": spec_to_dict(SGD(lr=0.1, momentum=0.9)), "layout": LAYOUT}
     spec["presence_key"] = PKEY
-    keys = KEYS + [(PKEY, G * NPARAMS)]
+    keys = KEYS + [(MKEY, 3), (PKEY, G * NPARAMS)]
     names = [name for _, params in LAYOUT for name, *_ in params]
 
     def work(rank: int, client: PSClient) -> list[torch.Tensor]:
@@ -271,8 +288,10 @@ def test_fsa_servers_skip_parameters_no_worker_has_a_gradient_for() -> None:
         for step in range(STEPS):
             w = WEIGHT[rank]
             counts = torch.tensor([float(has_grad(rank, step, n)) for n in names]).repeat(G)
-            pushes = [g * w for g in sparse_grad(rank, step)] + [presence_payload(counts)]
-            out = round_trip(client, Op.GRAD, pushes, w, flags=FLAG_PRESENCE, keys=keys)
+            pushes = [g * w for g in sparse_grad(rank, step)] + [buffers(rank, step) * w]
+            pushes.append(presence_payload(counts))
+            flags = FLAG_PRESENCE | FLAG_MEAN
+            out = round_trip(client, Op.GRAD, pushes, w, flags=flags, keys=keys)
         return out[:-1]
 
     seen, servers = run_job(work)
@@ -288,11 +307,12 @@ def test_fsa_servers_skip_parameters_no_worker_has_a_gradient_for() -> None:
             p.grad = by_name[n] if here else None
         opt.step()
     want = [torch.cat([model["a"], model["b"]]).detach(), model["c"].detach()]
+    want.append(sum(buffers(r, STEPS - 1) * WEIGHT[r] for r in WORKERS) / total)
     assert not torch.equal(want[0][4:], INIT[0][4:])  # b moved at the other steps
     for rank in WORKERS:
         for got, exp in zip(seen[rank], want):
             close(got, exp)
-    for i, (key, _) in enumerate(KEYS):
+    for i, (key, _) in enumerate(keys[:-1]):
         close(torch.cat(shards(servers, key)), want[i])
 
 
