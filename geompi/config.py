@@ -373,12 +373,13 @@ class RunConfig:
             flag = self.sources.get(setting, flags.get(setting, "--" + setting.replace("_", "-")))
             return flag if value is None or value is True else f"{flag} {value}"
 
-        k2 = self.k2 if "k2" in self.sources else None  # else it starts at --k2-min
+        k2 = self.k2 if "k2" in self.sources else None  # else its default, clamped
         check_adaptive(k2, self.k2_min, self.k2_max, self.wan_share, self.hfa_overlap, show)
 
     @property
     def starting_k2(self) -> int:
-        """HFA's K2 at the start: --k2, or with --adaptive-sync and no --k2, --k2-min."""
+        """HFA's K2 at the start: --k2; with --adaptive-sync and no --k2, its default clamped
+        into [--k2-min, --k2-max] (as geompi.HFA(adaptive=True) does)."""
         if self.adaptive_sync and "k2" not in self.sources:
             return min(max(self.k2, self.k2_min), self.k2_max)
         return self.k2
@@ -533,7 +534,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="HFA: re-choose K2 after every global average from the measured WAN exchange and "
         "datacenter-round compute, so the exchange takes about --wan-share of the time "
-        "(default off; starts at --k2, or --k2-min; with streaming too)",
+        "(default off; starts at --k2, whose default is clamped into [--k2-min, --k2-max]; "
+        "with streaming too)",
     )
     a.add_argument(
         "--k2-min", type=_int("--k2-min"), help=f"--adaptive-sync: smallest K2 (default {d.k2_min})"

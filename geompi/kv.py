@@ -28,14 +28,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from geompi.comm.topology import Role, Topology
-from geompi.comm.transport import LAN, Link, LinkStats, Requests
+from geompi.comm.topology import Topology
+from geompi.comm.transport import LAN, Link, Requests
 from geompi.config import make_config
 from geompi.errors import ConfigError
 from geompi.ps.client import PSClient
 from geompi.ps.optim import Spec, spec_to_dict
 from geompi.ps.protocol import FLAG_SUM, MAX_KEYS, Op
-from geompi.runtime import abort, install_excepthook, start_job
+from geompi.runtime import install_excepthook
 
 KV_TYPES = ("dist_sync", "dist_async", "dist_sync_hfa")
 
@@ -69,8 +69,10 @@ class _Round:
 class KVStore:
     """A worker's handle on the parameter servers. Create it with ``geompi.kv.create``."""
 
-    def __init__(self, kind: str, topo: Topology, comms, stats: LinkStats, hfa: bool) -> None:
+    def __init__(self, kind: str, session, hfa: bool) -> None:
+        topo, comms, stats = session.topo, session.comms, session.stats
         rank = comms.world.Get_rank()
+        self._session = session
         self.type = kind
         self.topo = topo
         self._comms = comms
@@ -174,8 +176,15 @@ class KVStore:
                 reqs.wait()
             else:
                 self._client.stop()
-        finally:
+        except BaseException:
             self._comms.free()
+            raise
+        from geompi import session  # the end of the job, as every path ends one
+
+        s = self._session
+        session.gather_report(s, {"role": "WORKER", **self.stats.as_dict()})
+        s.send_job({"sync": None}, None)
+        session.end(s)
 
     # ---- rounds ---------------------------------------------------------------------------
     def _entry(self, key) -> _Key:
@@ -244,35 +253,32 @@ def create(
     workers only. The topology comes from the keywords or ``GEOMPI_DCS``, ``GEOMPI_DC_SIZES``
     and ``GEOMPI_GLOBAL_SERVERS``.
     """
-    install_excepthook()
-    cfg = None
+    from geompi import session, sync
 
-    def plan(c) -> Topology:
-        nonlocal cfg
+    install_excepthook()
+
+    def config():
         if name not in KV_TYPES:
             raise ConfigError(f"unknown KVStore type {name!r}: choose one of {', '.join(KV_TYPES)}")
         cfg = make_config(dcs=dcs, dc_sizes=dc_sizes, global_servers=global_servers)
-        cfg.wan_settings()  # GEOMPI_WAN_* variables: checked before any collective call
         if name == "dist_async" and cfg.sync == "hfa":
             raise ConfigError("dist_async and HFA (MXNET_KVSTORE_USE_HFA=1) disagree: unset one")
+        return cfg
+
+    def plan(cfg, c) -> Topology:
         return Topology.plan(c.Get_size(), cfg.dcs, cfg.dc_sizes, cfg.global_servers)
 
-    comm, topo, comms, stats = start_job(plan, comm)
+    # The one start-up and serve path (geompi.session), as the CLI's and geompi.init()'s: the
+    # workers announce the servers' algorithm, the servers serve it until the workers finish.
+    s = session.start(config, comm, plan=plan)
+    cfg = s.cfg
     hfa = name == "dist_sync_hfa" or (cfg.sync == "hfa" and name != "dist_async")
-    role = topo.role(comm.Get_rank())
-    if role is Role.WORKER:
-        return KVStore(name, topo, comms, stats, hfa)
-    from geompi import sync
-
+    if not s.is_worker:
+        session.serve_until_finished(s)
+        sys.exit(0)
     if name == "dist_async":
         algo = sync.MixedSync()
     else:
         algo = sync.HFA(k1=cfg.k1, k2=cfg.k2) if hfa else sync.FSA(optimizer="servers")
-    try:
-        algo.make_server(
-            topo, comms, stats, max_staleness=cfg.max_staleness, wan=cfg.wan_settings()
-        ).run()
-    except Exception as e:  # noqa: BLE001
-        abort(e)
-    comms.free()
-    sys.exit(0)
+    s.send_job(algo.job(), None)
+    return KVStore(name, s, hfa)

@@ -586,10 +586,12 @@ class Synchronizer:
         return t[1 + len(self.params) :] if self.grads_to_workers else t
 
     # ---- start and end --------------------------------------------------------------------
-    def start(self) -> None:
-        """Tell the servers the algorithm, then the INIT round: the master's values for all."""
-        self.s.send_job({**self.algo.job(), "wan": self.wan}, self.opt)
-        self.begin()
+    def start(self, extra_spec: dict | None = None, send_restore=None) -> None:
+        """Tell the servers the algorithm, then the INIT round: the master's values for all
+        (``begin``). The API's optimizer and the CLI's loop start their servers alike."""
+        owner = self.opt if isinstance(self.opt, GeompiOptimizer) else None
+        self.s.send_job({**self.algo.job(), "wan": self.wan}, owner)
+        self.begin(extra_spec, send_restore)
 
     def begin(self, extra_spec: dict | None = None, send_restore=None) -> None:
         """The INIT round, once the servers know the job. ``extra_spec`` joins the servers'

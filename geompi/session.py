@@ -92,6 +92,45 @@ def worker_session() -> Session:
     return s
 
 
+def start(settings, comm=None, *, plan=None, again: str | None = None) -> Session:
+    """The one start-up of a job, for the CLI, ``geompi.init()`` and the KVStore (collective).
+
+    ``settings()`` returns the validated RunConfig (run inside the topology's planning, so a
+    bad setting is one line from rank 0 and every rank exits 2 before any other collective);
+    ``plan(cfg, comm)`` the Topology (default: geompi.runtime.plan_topology). Then each rank
+    takes its share of the CPUs, the heartbeat starts (with ``comm_timeout``), and under
+    ``on_failure="continue"`` the fault watch (``again``: how to run again, in its message).
+    A worker's session knows its device and its index among the workers of its node.
+    """
+    from geompi.layout import check_node_gpus
+    from geompi.runtime import exit_together, plan_topology, start_job, worker_device
+    from geompi.threads import configure_threads
+
+    plan = plan or plan_topology
+    cfg = None
+
+    def planned(c) -> Topology:
+        nonlocal cfg
+        cfg = settings()
+        cfg.wan_settings()  # GEOMPI_WAN_* variables: checked before any collective call
+        return plan(cfg, c)
+
+    try:
+        comm, topo, comms, stats = start_job(planned, comm)
+        configure_threads(comm)  # one share of the node's CPUs per rank (geompi.threads)
+    except GeompiError as e:  # pragma: no cover - start_job reports and exits itself
+        exit_together(e, 0)
+    check_node_gpus(cfg.dc_map, topo, comm)  # --dc-map nodes: one warning if workers != GPUs
+    heartbeat.start(comm, cfg.comm_timeout)  # so the watchdog can tell idle from lost
+    if cfg.on_failure == "continue":  # waits raise PeerLost instead of failing (ULFM)
+        faults.watch(comm, again)
+    s = Session(cfg, topo, comms, stats, comm.Get_rank())
+    if s.is_worker:
+        s.device = worker_device(comms.workers)
+        s.local_rank = node_share(comms.all_workers)[0]  # geompi.local_worker_rank()
+    return s
+
+
 def init(comm=None, **settings) -> Session:
     """Join the job on every rank. Workers return; server ranks serve, then exit with status 0.
 
@@ -99,53 +138,42 @@ def init(comm=None, **settings) -> Session:
     ``comm`` (default COMM_WORLD).
     """
     global _session
-    from geompi.runtime import (
-        exit_together,
-        install_excepthook,
-        plan_topology,
-        start_job,
-        worker_device,
-    )
-    from geompi.threads import configure_threads
+    from geompi.runtime import install_excepthook
 
     if _session is not None and not _session.finished:
         raise ConfigError("geompi.init() was already called: call geompi.finish() first")
     install_excepthook()
     unknown = sorted(set(settings) - set(INIT_SETTINGS))
-    cfg = None
 
-    def plan(c) -> Topology:
-        nonlocal cfg
+    def config() -> RunConfig:
         if unknown:
             raise ConfigError(
                 f"geompi.init() got unknown setting(s) {', '.join(unknown)}: "
                 f"choose from {', '.join(INIT_SETTINGS)}"
             )
-        cfg = make_config(**settings).validate()
-        cfg.wan_settings()  # GEOMPI_WAN_* variables: checked before any collective call
-        return plan_topology(cfg, c)
+        return make_config(**settings).validate()
 
-    try:
-        comm, topo, comms, stats = start_job(plan, comm)
-        configure_threads(comm)  # one share of the node's CPUs per rank (geompi.threads)
-    except GeompiError as e:  # pragma: no cover - start_job reports and exits itself
-        exit_together(e, 0)
-    heartbeat.start(comm, cfg.comm_timeout)  # so the watchdog can tell idle from lost
-    if cfg.on_failure == "continue":  # waits raise PeerLost instead of failing (ULFM)
-        faults.watch(comm)
-    rank = comm.Get_rank()
-    _session = Session(cfg, topo, comms, stats, rank)
-    if topo.role(rank) is Role.WORKER:
-        _session.device = worker_device(comms.workers)
-        _session.local_rank = node_share(comms.all_workers)[0]  # geompi.local_worker_rank()
+    _session = start(config, comm)
+    if _session.is_worker:
         atexit.register(_finish_at_exit)
-        if cfg.on_failure != "continue":  # a recovery replaces the workers' communicator
-            callwatch.start(comms.all_workers, _rounds_begun, _report_mismatch)
+        if _session.cfg.on_failure != "continue":  # a recovery replaces the workers' communicator
+            callwatch.start(_session.comms.all_workers, _rounds_begun, _report_mismatch)
         return _session
-    _serve(_session)
-    _stop_heartbeat(_session)
-    comms.free()
+    serve_until_finished(_session)
     sys.exit(0)
+
+
+def serve_until_finished(s: Session) -> None:
+    """A server rank of any job (CLI, API): serve each job the workers announce until they
+    call ``finish()``, then end (``end``)."""
+    _serve(s)
+    end(s)
+
+
+def end(s: Session) -> None:
+    """Every rank's last collective step: stop the heartbeat together, free the communicators."""
+    _stop_heartbeat(s)
+    s.comms.free()
 
 
 def _serve(s: Session) -> None:
@@ -167,6 +195,7 @@ def _serve(s: Session) -> None:
                 on_nonfinite=cfg.on_nonfinite,
                 timeout=cfg.comm_timeout,
                 max_staleness=cfg.max_staleness,
+                slowdown=cfg.dc_slowdown,
                 wan=job_wan(cfg, job),
             )
             server.run()
@@ -228,8 +257,7 @@ def finish() -> None:
         s.send_job({"sync": None}, None)
     s.finished = True
     callwatch.stop()
-    _stop_heartbeat(s)
-    s.comms.free()
+    end(s)
 
 
 def _rounds_begun() -> int:

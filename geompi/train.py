@@ -36,12 +36,11 @@ from collections.abc import Sequence
 import torch
 
 from geompi import sync
-from geompi.comm import faults, heartbeat
-from geompi.comm.topology import Role, Topology
-from geompi.comm.transport import LAN, LinkStats, barrier, live_timeout, worker_timeout
+from geompi.comm import faults
+from geompi.comm.topology import Role
+from geompi.comm.transport import LAN, worker_timeout
 from geompi.config import MAX_STEPS, RunConfig, make_config
 from geompi.errors import ConfigError, GeompiError
-from geompi.layout import check_node_gpus
 from geompi.metrics import MetricsLog
 from geompi.runtime import (
     StopRequest,
@@ -51,13 +50,9 @@ from geompi.runtime import (
     install_excepthook,
     install_signal_handlers,
     launcher_rank,
-    plan_topology,
     restore_signal_handlers,
     say,
-    start_job,
-    worker_device,
 )
-from geompi.threads import configure_threads
 
 
 class Worker:
@@ -65,12 +60,15 @@ class Worker:
     model replica, synchronized by the public API's engine (geompi.optimizer.Synchronizer);
     checkpoints are geompi.checkpointing's, HFA's way back to a global sync is ``Rewind``."""
 
-    def __init__(self, cfg: RunConfig, algo, topo: Topology, comms, stats: LinkStats) -> None:
+    def __init__(self, cfg: RunConfig, algo, session) -> None:
         from geompi.data import WorkerData
         from geompi.models import build_model
 
-        self.cfg, self.algo, self.topo, self.comms, self.stats = cfg, algo, topo, comms, stats
-        self.rank = comms.world.Get_rank()
+        self.session = session
+        topo, comms = session.topo, session.comms
+        self.cfg, self.algo, self.topo, self.comms = cfg, algo, topo, comms
+        self.stats = session.stats
+        self.rank = session.rank
         self.master = self.rank == 0
         self.widx = topo.worker_index(self.rank)
         self.dc = topo.dc_of(self.rank)
@@ -78,7 +76,7 @@ class Worker:
         self.data = WorkerData(cfg, topo.num_workers, self.widx)
         self.ds, self.loader = self.data.ds, self.data.loader
         torch.manual_seed(cfg.seed)
-        self.device = worker_device(comms.workers)
+        self.device = session.device
         self.model = build_model(cfg.model, self.ds.input_shape, self.ds.num_classes)
         self.model = self.model.to(self.device)
         self.total_steps = self._total_steps()
@@ -135,15 +133,13 @@ class Worker:
         what the servers are told). The loop drives the engine as DistributedOptimizer's
         ``step()`` does, without the class swap a user's optimizer gets."""
         from geompi.optimizer import Synchronizer
-        from geompi.session import Session
 
         opt, spec = self.algo.cli_optimizer(self.cfg, self.model.parameters())
-        session = Session(self.cfg, self.topo, self.comms, self.stats, self.rank, self.device)
         engine = Synchronizer(
             opt,
             self.model,
             self.algo,
-            session,
+            self.session,
             bucket_mb=self.cfg.bucket_mb,
             max_grad_norm=None,
             passes=1,
@@ -348,7 +344,7 @@ class Worker:
                 extra["final_snapshot"] = True  # for the checkpoint written after finish()
         if self.algo.independent_dcs and self.cfg.checkpoint_dir:
             self.ckpt.record_starts()
-        self.engine.begin(extra, send_restore=send)
+        self.engine.start(extra, send_restore=send)
 
     def _save_surviving(self, log: MetricsLog | None, stop: StopRequest) -> None:
         """``_save``; where a rank is lost during it (``--on-failure continue``), the survivors
@@ -472,20 +468,22 @@ def train(cfg: RunConfig, comm=None) -> dict | None:
 
 
 def _train(cfg: RunConfig, comm) -> dict | None:
-    comm, topo, comms, stats = start_job(lambda c: plan_topology(cfg.validate(), c), comm)
-    configure_threads(comm)  # one share of the node's CPUs per rank (geompi.threads)
-    check_node_gpus(cfg.dc_map, topo, comm)  # --dc-map nodes: one warning if workers != GPUs
-    heartbeat.start(comm, cfg.comm_timeout)  # so the watchdog can tell idle from lost
-    if cfg.on_failure == "continue":  # waits raise PeerLost instead of failing (ULFM)
+    from geompi import session
+
+    again = None
+    if cfg.on_failure == "continue" and cfg.checkpoint_dir:
         again = f"{faults.RUN_AGAIN} with --resume latest (from {cfg.checkpoint_dir})"
-        faults.watch(comm, again if cfg.checkpoint_dir else None)
-    rank = comm.Get_rank()
-    role = topo.role(rank)
+    # The one start-up and serve path of the CLI, geompi.init() and the KVStore: server ranks
+    # serve the job the master worker announces (the algorithm's job(), sent by the engine
+    # before its INIT round), as they serve a DistributedOptimizer's.
+    s = session.start(cfg.validate, comm, again=again)
+    comm, topo, comms, stats = s.comms.world, s.topo, s.comms, s.stats
+    rank = s.rank
     node = log = err = None
     try:
         algo = sync.from_config(cfg)
-        if role is Role.WORKER:
-            node = Worker(cfg, algo, topo, comms, stats)
+        if s.is_worker:
+            node = Worker(cfg, algo, s)
             if rank == 0:
                 log = MetricsLog(cfg.metrics, cfg.tensorboard)
                 log.write(
@@ -496,47 +494,34 @@ def _train(cfg: RunConfig, comm) -> dict | None:
                         "total_steps": node.total_steps,
                     }
                 )
-        else:
-            node = algo.make_server(
-                topo,
-                comms,
-                stats,
-                on_nonfinite=cfg.on_nonfinite,
-                timeout=cfg.comm_timeout,
-                max_staleness=cfg.max_staleness,
-                slowdown=cfg.dc_slowdown,
-                wan=cfg.wan_settings(),
-            )
     except Exception as e:  # noqa: BLE001 - reported collectively below
         err = e
     agree_or_exit(comm, err)
+    if not s.is_worker:
+        session.serve_until_finished(s)
+        faults.unwatch()
+        return None
     try:
-        result = node.run(log) if role is Role.WORKER else node.run()
+        result = node.run(log)
     except Exception as e:  # noqa: BLE001
         abort(e)
     # After a recovery (--on-failure continue) the job goes on in the rebuilt communicators
-    comm, topo = comms.world, node.topo
-    rank = comm.Get_rank()
-    faults.unwatch()
-    mine = {"role": role.name, **stats.as_dict()}
-    if role is Role.WORKER:
-        mine.update(compute_s=result["compute_s"], wall_s=result["wall_s"])
-    # Every rank is here before the gathers, so that a lost one is caught by the watchdog (a
-    # fast MixedSync datacenter may rightly wait long for the others: heartbeat only).
-    last_wait = live_timeout(worker_timeout(cfg.comm_timeout))
-    barrier(comm, last_wait, "every rank to finish")
-    per_rank = comm.gather(mine, root=0)
-    reports = comm.gather(None if role is Role.WORKER else node.report(), root=0)
+    s.topo, s.rank = node.topo, comms.world.Get_rank()
+    topo, rank = s.topo, s.rank
+    mine = {"role": Role.WORKER.name, **stats.as_dict()}
+    mine.update(compute_s=result["compute_s"], wall_s=result["wall_s"])
+    # Every rank is here (the servers at the end of their job), so that a lost one is caught
+    # by the watchdog (a fast MixedSync datacenter may rightly wait long for the others).
+    report = session.gather_report(s, mine)
     summary = None
     if rank == 0:
-        servers = [r for r in reports if r is not None]
-        totals = {k: sum(r[k] for r in per_rank) for k in per_rank[0] if k.endswith("_bytes")}
+        per_rank = report["per_rank"]
+        servers = [r for r in per_rank if r["role"] != Role.WORKER.name]
+        totals = {k: sum(r[k] for r in per_rank) for k in stats.as_dict() if k.endswith("_bytes")}
         totals.pop("wan_received_bytes")
         totals.pop("lan_received_bytes")
         # what reached the global servers: headers, trailers, pushes and MixedSync deposits
-        totals["global_in_bytes"] = sum(
-            r["wan_received_bytes"] for r in per_rank if r["role"] == Role.GLOBAL_SERVER.name
-        )
+        totals["global_in_bytes"] = report["global_in_bytes"]
         served = _server_summary(servers)
         summary = {
             "summary": True,
@@ -586,11 +571,11 @@ def _train(cfg: RunConfig, comm) -> dict | None:
                 f"be written to {cfg.checkpoint_dir} (see the warning above); the last good one "
                 f"is {last}; exit status 1"
             )
-    # Beat until every rank is here: one that is done (a fast MixedSync datacenter) must not
-    # look lost to one still training.
-    barrier(comm, last_wait, "every rank to finish")
-    heartbeat.stop()
-    comms.free()
+    # Release the servers; beat until every rank is here (one that is done, a fast MixedSync
+    # datacenter, must not look lost to one still training), then free the communicators.
+    s.send_job({"sync": None}, None)
+    session.end(s)
+    faults.unwatch()
     if summary is not None:
         summary["model"] = {k: v.detach().cpu().clone() for k, v in node.model.state_dict().items()}
     return summary

@@ -338,7 +338,8 @@ def test_validate_accepts_edge_values(argv: list[str]) -> None:
 
 
 def test_adaptive_sync_flags_make_the_algorithm() -> None:
-    """--adaptive-sync's flags reach HFA; without --k2 it starts at --k2-min, and with it
+    """--adaptive-sync's flags reach HFA; without --k2 it starts at its default clamped into
+    [--k2-min, --k2-max], and with it
     checkpoints need only whole datacenter rounds (it makes those rounds global)."""
     c = cfg(
         "--sync", "hfa", "--adaptive-sync", "--k1", "4", "--k2-min", "3", "--k2-max", "9",
@@ -573,7 +574,7 @@ def test_dc_slowdown_of_a_datacenter_that_does_not_exist() -> None:
 def test_plan_topology_refuses_a_slowdown_of_a_missing_datacenter() -> None:
     from types import SimpleNamespace
 
-    from geompi.train import plan_topology
+    from geompi.runtime import plan_topology
 
     comm = SimpleNamespace(Get_size=lambda: 9)
     assert plan_topology(cfg("--dcs", "2").validate(), comm).num_dcs == 2

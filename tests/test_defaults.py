@@ -86,3 +86,23 @@ def test_the_documented_defaults_are_the_code_s():
     assert f"| `GEOMPI_HFA_K1`, `GEOMPI_HFA_K2` | {d.k1}, {d.k2} |" in slurm
     readme = (ROOT / "README.md").read_text()
     assert f"K1={d.k1}, K2={d.k2}" in readme
+
+
+@pytest.mark.parametrize("bounds", [(1, 64), (3, 9), (1, 1)])
+def test_adaptive_cadence_starts_at_the_same_k2_in_the_cli_and_the_api(bounds):
+    """Without a K2 of the user's, adaptive cadence starts at the default K2 clamped into its
+    bounds, in both; a K2 the user gave outside them is refused in both."""
+    from geompi.errors import ConfigError
+    from geompi.sync.hfa import Cadence
+
+    lo, hi = bounds
+    flags = ["--sync", "hfa", "--adaptive-sync", "--k2-min", str(lo), "--k2-max", str(hi)]
+    cli = HFA.from_config(make_config(flags, env={}).validate())
+    api = HFA(adaptive=True, k2_min=lo, k2_max=hi)
+    api.validate()
+    expected = min(max(HFA().k2, lo), hi)
+    assert Cadence(cli, None).k2 == Cadence(api, None).k2 == expected
+    with pytest.raises(ConfigError, match="k2"):
+        make_config([*flags, "--k2", str(hi + 2)], env={}).validate()
+    with pytest.raises(ConfigError, match="k2"):
+        HFA(adaptive=True, k2=hi + 2, k2_min=lo, k2_max=hi).validate()

@@ -69,7 +69,8 @@ def test_adaptive_sync_checkpoints_its_k2_and_resumes_exactly(tmp_path):
     (every 10 steps) and the last are made global, and each checkpoint holds K2. A SIGTERM
     after step 13 stops at round 14 and rewinds to step 10; the resume starts from K2 = 3 (from
     1 it would go global at step 12) and ends bitwise where an uninterrupted run ends."""
-    hfa = ["--sync", "hfa", "--adaptive-sync", "--k1", 2, "--k2-max", 3, "--wan-latency", "100ms"]
+    hfa = ["--sync", "hfa", "--adaptive-sync", "--k1", 2, "--k2", 1, "--k2-max", 3]
+    hfa += ["--wan-latency", "100ms"]
     hfa += ["--dc-sizes", "4,2", "--momentum", 0.9, "--steps", 20, "--checkpoint-every", 10]
     full, part = tmp_path / "full", tmp_path / "part"
     res = train(7, *hfa, "--checkpoint-dir", full, "--metrics", tmp_path / "m.jsonl")

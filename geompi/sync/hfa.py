@@ -24,6 +24,9 @@ from geompi.ps.protocol import MAX_KEYS
 from geompi.sync.base import Algorithm
 from geompi.sync.fsa import _sync_tier
 
+# HFA's default K2; with adaptive cadence, a K2 left at it starts clamped into [k2_min, k2_max]
+K2_DEFAULT = 2
+
 
 @dataclass(frozen=True)
 class HFA(Algorithm):
@@ -33,7 +36,7 @@ class HFA(Algorithm):
     name: ClassVar[str] = "hfa"
     local_steps: ClassVar[bool] = True
     k1: int = 4  # the one default of K1 and K2: the CLI's and the Slurm script's too
-    k2: int = 2
+    k2: int = K2_DEFAULT
     weighting: str = "samples"  # or "uniform": every datacenter the same (GeoMX's)
     outer_optimizer: str = "sgd"  # or "nesterov" (DiLoCo's outer step)
     outer_lr: float = 1.0
@@ -86,8 +89,9 @@ class HFA(Algorithm):
             raise ConfigError(f"HFA(outer_lr={self.outer_lr!r}): must be a finite number > 0")
         check_streaming(self.fragments, self.overlap, self.mix, self.k2, "HFA(", ")")
         if self.adaptive:
+            given = None if self.k2 == K2_DEFAULT else self.k2  # the default is clamped
             check_adaptive(
-                self.k2, self.k2_min, self.k2_max, self.wan_share, self.overlap, _show_keyword
+                given, self.k2_min, self.k2_max, self.wan_share, self.overlap, _show_keyword
             )
 
     def check_survivable(self) -> None:
@@ -217,7 +221,7 @@ class Cadence:
 
     def __init__(self, algo: HFA, all_workers) -> None:
         self.algo, self.comm = algo, all_workers
-        self.k2 = algo.k2
+        self.k2 = min(max(algo.k2, algo.k2_min), algo.k2_max)  # a default K2: clamped
         self.since_global = 0  # datacenter averages since the last cycle's end
         # the local server's exchange times, scaled to the whole model (TAG_EXCHANGES)
         self.told = torch.zeros(2, dtype=torch.float64)  # their sum and count, per round
