@@ -40,6 +40,7 @@ __all__ = [
     "num_dcs",
     "num_workers",
     "save",
+    "stop_requested",
     "worker_rank",
 ]
 
@@ -54,12 +55,18 @@ _LAZY = {
     "all_reduce": "geompi.collectives",
     "broadcast_object": "geompi.collectives",
     "local_worker_rank": "geompi.collectives",
+    "stop_requested": "geompi.collectives",
     "load": "geompi.state",
 }
 _SUBMODULES = ("kv", "optim", "ckpt", "train", "comm", "ps", "sync", "config", "errors", "data")
 
 if TYPE_CHECKING:  # pragma: no cover
-    from geompi.collectives import all_reduce, broadcast_object, local_worker_rank
+    from geompi.collectives import (
+        all_reduce,
+        broadcast_object,
+        local_worker_rank,
+        stop_requested,
+    )
     from geompi.optimizer import DistributedOptimizer
     from geompi.sampler import DistributedSampler
     from geompi.state import load, save
@@ -72,6 +79,7 @@ _COLLECTIVE = {
     "load": "geompi.load",
     "all_reduce": "geompi.all_reduce",
     "broadcast_object": "geompi.broadcast_object",
+    "stop_requested": "geompi.stop_requested",
 }
 _wrapped: dict = {}
 

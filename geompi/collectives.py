@@ -102,3 +102,24 @@ def local_worker_rank() -> int:
     """This worker's index among the workers on its node (0 .. workers on the node - 1):
     the ``LOCAL_RANK`` of torchrun, for choosing a GPU or a per-node file."""
     return _session().local_rank
+
+
+def stop_requested() -> bool:
+    """Whether the job was asked to stop (SIGTERM, SIGINT or SIGUSR1 to any worker, e.g. a
+    Slurm pre-emption or ``scancel --signal=USR1``), agreed by every worker: True at the same
+    call on every worker, so all of them can ``geompi.save`` and leave the loop together.
+
+    Collective over the workers: call it at the same point of every step (or every N steps).
+    From the first call on, those signals no longer end a worker's process: they are recorded
+    and answered here (the CLI's own stop works the same way). The agreement is nonblocking and
+    runs one call behind: a signal is seen at the second call after it at most, with no extra
+    wait in the step. ``geompi.finish()`` puts the previous signal handlers back.
+    """
+    from geompi.comm.transport import worker_timeout
+    from geompi.runtime import StopRequest, install_signal_handlers
+
+    s = _session()
+    if s.stop is None:
+        s.stop_handlers = install_signal_handlers()
+        s.stop = StopRequest(s.comms.all_workers, worker_timeout(s.cfg.comm_timeout))
+    return s.stop.poll()

@@ -13,6 +13,7 @@ import hashlib
 import json
 import sys
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,6 +23,9 @@ from geompi.comm.topology import Communicators, Role, Topology, node_share
 from geompi.comm.transport import LinkStats
 from geompi.config import RunConfig, make_config
 from geompi.errors import ConfigError, GeompiError, ProtocolError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from geompi.runtime import StopRequest
 
 # Settings of ``init()`` that come from RunConfig (keywords override GEOMPI_* variables).
 INIT_SETTINGS = (
@@ -53,6 +57,8 @@ class Session:
     optimizer: object | None = None  # the DistributedOptimizer the servers now serve
     local_rank: int = 0  # this worker's index among the workers on its node
     finished: bool = False
+    stop: StopRequest | None = None  # geompi.stop_requested()'s agreement
+    stop_handlers: dict | None = None  # the signal handlers it replaced
 
     @property
     def role(self) -> Role:
@@ -254,6 +260,11 @@ def finish() -> None:
     if s.finished:
         return
     with callwatch.call("geompi.finish"):
+        if s.stop is not None:  # geompi.stop_requested(): its last agreement, then the handlers
+            from geompi.runtime import restore_signal_handlers
+
+            s.stop.close()
+            restore_signal_handlers(s.stop_handlers or {})
         s.send_job({"sync": None}, None)
     s.finished = True
     callwatch.stop()

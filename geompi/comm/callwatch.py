@@ -48,6 +48,7 @@ LABELS = (
     "geompi.finish",
     "geompi.all_reduce",
     "geompi.broadcast_object",
+    "geompi.stop_requested",
 )
 
 
