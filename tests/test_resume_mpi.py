@@ -1,14 +1,13 @@
 """Checkpoints during training: exact resume, re-sharding onto another topology, refusals."""
 
 import shutil
-import subprocess
-import sys
 
 import h5py
 import pytest
 import torch
 
 from geompi import ckpt
+from geompi.ckpt import cli as ckpt_cli
 from tests.mpirun import HOOKS, error_lines, mpirun, read_jsonl, train_runs
 
 pytestmark = pytest.mark.mpi
@@ -46,13 +45,8 @@ def identical(a, b) -> bool:
 
 
 def test_ckpt_diff_cli_reports_identical_tensors(good_ckpt, tmp_path):
-    shutil.copy(good_ckpt, tmp_path / "copy.h5")
-    res = subprocess.run(
-        [sys.executable, "-m", "geompi.ckpt", "diff", str(good_ckpt), str(tmp_path / "copy.h5")],
-        capture_output=True,
-        text=True,
-    )
-    assert res.returncode == 0, res.stdout + res.stderr
+    shutil.copy(good_ckpt, tmp_path / "copy.h5")  # (the CLI's entry point: tests/test_ckpt.py)
+    assert ckpt_cli.main(["diff", str(good_ckpt), str(tmp_path / "copy.h5")]) == 0
 
 
 @pytest.mark.parametrize("algo", [["--sync", "fsa", "--optimizer", "adam"]])
@@ -303,51 +297,16 @@ def _bump_version(path):
         f.attrs["format_version"] = 99
 
 
-@pytest.mark.parametrize(
-    "damage,words",
-    [
-        (_flip_byte, ["checksum"]),
-        (_truncate, ["truncated"]),
-        (_bump_version, ["format_version 99", "upgrade geompi"]),
-    ],
-)
-def test_bad_checkpoint_is_refused_on_resume(tmp_path, good_ckpt, damage, words):
-    bad = tmp_path / "bad.h5"
-    shutil.copy(good_ckpt, bad)
-    damage(bad)
-    before = bad.read_bytes()
-    res = train(
-        4,
-        "--steps",
-        6,
-        "--checkpoint-dir",
-        tmp_path / "out",
-        "--resume",
-        bad,
-        check=False,
-        timeout=30,
-    )
-    errs = error_lines(res.stderr)
-    assert res.returncode != 0 and len(errs) == 1 and "Traceback" not in res.stderr, res.stderr
-    assert all(w in errs[0] for w in words), errs[0]
-    assert bad.read_bytes() == before  # nothing overwritten
-    assert not list((tmp_path / "out").glob("ckpt-*.h5"))  # and no run started
-    verify = subprocess.run(
-        [sys.executable, "-m", "geompi.ckpt", "verify", str(bad)], capture_output=True, text=True
-    )
-    assert verify.returncode == 1
+DAMAGES = {"_flip_byte": _flip_byte, "_truncate": _truncate, "_bump_version": _bump_version}
 
 
-def test_a_data_position_beyond_an_epoch_stops_every_rank_in_one_line(tmp_path, good_ckpt):
-    """A file that verifies but puts a worker past its epoch's end (a hand-edited or foreign
-    file): the workers learn it only as they take their positions, after start-up, so they
-    stop together and the master names the file; it used to be that worker's own line, which
-    did not say which file."""
+def _far_positions(good_ckpt, path):
+    """A file that verifies but puts the last worker past its epoch's end."""
     ck = ckpt.load(good_ckpt)
     positions = ck.progress["data_positions"].clone()
     positions[-1] = torch.tensor([0, 10**6])
-    bad = ckpt.save(
-        tmp_path / "far.h5",
+    ckpt.save(
+        path,
         model=ck.model,
         optimizer=ck.optimizer,
         optimizer_attrs=ck.optimizer_attrs,
@@ -359,30 +318,79 @@ def test_a_data_position_beyond_an_epoch_stops_every_rank_in_one_line(tmp_path, 
         topology=ck.attrs["topology"],
         config=ck.attrs["config"],
     )
+    return len(positions) - 1
+
+
+@pytest.fixture(scope="module")
+def refused(tmp_path_factory, good_ckpt):
+    """The refused resumes below, one after another in ONE 4-rank mpirun job (each is refused
+    at start-up, where every rank leaves by SystemExit(2): tests.mpirun.train_runs); each test
+    asserts on its own run. (A position beyond an epoch is found in training, where the job
+    aborts: that test has its own job.) Maps a case to (its run, its directory, the bytes of
+    its file as they were before the job)."""
+    root = tmp_path_factory.mktemp("refused")
+    cases, runs = {}, []
+    for name, damage in DAMAGES.items():
+        d = root / name
+        d.mkdir()
+        bad = d / "bad.h5"
+        shutil.copy(good_ckpt, bad)
+        damage(bad)
+        cases[name] = (d, bad.read_bytes())
+        runs.append((BASE[2:] + ["--steps", 6, "--checkpoint-dir", d / "out", "--resume", bad], {}))
+    cases["other_model"] = (root, b"")
+    runs.append((["--model", "cnn", "--steps", 3, "--resume", good_ckpt], {}))
+    d = root / "unwritable"
+    d.mkdir()
+    (d / "file").write_text("not a directory")
+    cases["unwritable"] = (d, b"")
+    runs.append((BASE[2:] + ["--steps", 3, "--checkpoint-dir", d / "file" / "ck"], {}))
+    done = train_runs(4, runs, root / "runs", timeout=60 * len(runs), check=False)
+    return {name: (res, *case) for (name, case), res in zip(cases.items(), done)}
+
+
+@pytest.mark.parametrize(
+    "damage,words",
+    [
+        ("_flip_byte", ["checksum"]),
+        ("_truncate", ["truncated"]),
+        ("_bump_version", ["format_version 99", "upgrade geompi"]),
+    ],
+)
+def test_bad_checkpoint_is_refused_on_resume(refused, damage, words):
+    res, d, before = refused[damage]
+    bad = d / "bad.h5"
+    errs = error_lines(res.stderr)
+    assert res.returncode != 0 and len(errs) == 1 and "Traceback" not in res.stderr, res.stderr
+    assert all(w in errs[0] for w in words), errs[0]
+    assert bad.read_bytes() == before  # nothing overwritten
+    assert not list((d / "out").glob("ckpt-*.h5"))  # and no run started
+    assert ckpt_cli.main(["verify", str(bad)]) == 1
+
+
+def test_a_data_position_beyond_an_epoch_stops_every_rank_in_one_line(tmp_path, good_ckpt):
+    """A file that verifies but puts a worker past its epoch's end (a hand-edited or foreign
+    file): the workers learn it only as they take their positions, after start-up, so they
+    stop together and the master names the file; it used to be that worker's own line, which
+    did not say which file."""
+    bad = tmp_path / "far.h5"
+    worker = _far_positions(good_ckpt, bad)
     res = train(4, "--steps", 6, "--resume", bad, check=False, timeout=60)
     errs = error_lines(res.stderr)
     assert res.returncode != 0 and len(errs) == 1 and "Traceback" not in res.stderr, res.stderr
-    worker = len(positions) - 1
     assert f"checkpoint {bad}: worker {worker}'s loader state epoch=0 position=1000000" in errs[0]
     assert "resume with the same --batch-size" in errs[0], errs[0]
 
 
-def test_checkpoint_of_another_model_is_refused(tmp_path, good_ckpt):
-    res = mpirun(
-        4,
-        ["-m", "geompi.train", "--model", "cnn", "--steps", "3", "--resume", str(good_ckpt)],
-        check=False,
-        timeout=30,
-    )
+def test_checkpoint_of_another_model_is_refused(refused):
+    res, _, _ = refused["other_model"]
     errs = error_lines(res.stderr)
     assert res.returncode != 0 and len(errs) == 1, res.stderr
     assert "different model" in errs[0]
 
 
-def test_unwritable_checkpoint_dir(tmp_path):
-    blocker = tmp_path / "file"
-    blocker.write_text("not a directory")
-    res = train(4, "--steps", 3, "--checkpoint-dir", blocker / "ck", check=False, timeout=30)
+def test_unwritable_checkpoint_dir(refused):
+    res, _, _ = refused["unwritable"]
     errs = error_lines(res.stderr)
     assert res.returncode != 0 and len(errs) == 1, res.stderr
     assert "cannot write checkpoint" in errs[0] and "--checkpoint-dir" in errs[0]
