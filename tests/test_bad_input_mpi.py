@@ -139,13 +139,16 @@ CONFIG_ONLY = {
     "comm-timeout-1e-9",
     "max-staleness-env",
 }
-# Refused once the job runs, where every rank leaves by SystemExit(2): the start-up checks
-# (the topology, rank 0 reports) and the start-up agreement (the ranks that failed). Their
-# representatives (dc-sizes-dont-add-up; model-factory-not-importable) run as a job of their
-# own, whose processes must exit; the rest run one after another in ONE 4-rank job
-# (tests.mpirun.train_runs), each case asserted on its own output and exit status. (A case
-# found only in training, as dataset-factory-differs-by-worker, aborts the job: not here.)
+# Refused where every rank leaves by SystemExit(2): the config check (as above), the start-up
+# checks (the topology, rank 0 reports) and the start-up agreement (the ranks that failed).
+# Their representatives (unknown-sync; dc-sizes-dont-add-up; model-factory-not-importable)
+# run as a job of their own, whose processes must exit; the rest run one after another in
+# ONE 4-rank job (tests.mpirun.train_runs), each case asserted on its own output and exit
+# status. (A case found only in training, as dataset-factory-differs-by-worker, aborts the
+# job: not here.)
 IN_ONE_JOB = {
+    "unknown-flag",
+    "k1-env-zero",
     "too-many-dcs",
     "zero-global-servers",
     "dc-slowdown-of-missing-dc",
@@ -155,7 +158,7 @@ IN_ONE_JOB = {
     "metrics-is-a-directory",
     "threads-99999999",
 }
-# unknown-sync, unknown-flag, k1-env-zero, world-too-small, dc-sizes-dont-add-up, ...
+# unknown-sync, world-too-small, dc-without-worker, dc-sizes-dont-add-up, ...
 UNDER_MPIRUN = sorted(set(CASES) - CONFIG_ONLY - IN_ONE_JOB)
 
 
