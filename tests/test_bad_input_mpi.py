@@ -147,6 +147,7 @@ CONFIG_ONLY = {
 # status. (A case found only in training, as dataset-factory-differs-by-worker, aborts the
 # job: not here.)
 IN_ONE_JOB = {
+    "batch-larger-than-shard",
     "unknown-flag",
     "k1-env-zero",
     "too-many-dcs",
