@@ -160,3 +160,46 @@ def pid_alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def train_runs(
+    n: int, runs: list[tuple[list, dict]], out: Path, timeout: float, check: bool = True
+) -> list[subprocess.CompletedProcess]:
+    """Several ``geompi.train`` runs on N ranks, one after another in ONE mpirun job
+    (tests/progs/train_runs.py: one start of Python, torch and MPI on each rank instead of one
+    per run). ``runs``: (the CLI's arguments, extra environment) for each. Returns, for each
+    run, its exit status (the highest of its ranks') and its stdout and stderr (every rank's,
+    rank after rank), as ``mpirun`` would return them for that run alone. Raises, naming the
+    run, if a run does not end on every rank (an abort ends the job), or exits non-zero while
+    CHECK, or if the job hangs (TIMEOUT: the sum of the runs' own). Where a run could have
+    left state in the process that the next needs, the tests order the runs so that it would
+    be the wrong state (a resume comes after a run that ended at another step)."""
+    out.mkdir(parents=True, exist_ok=True)
+    spec = out / "runs.json"
+    spec.write_text(json.dumps([{"args": [str(a) for a in a_], "env": e} for a_, e in runs]))
+    res = mpirun(n, [prog("train_runs.py"), str(out), str(spec)], timeout=timeout, check=False)
+
+    def text(i: int, kind: str) -> str:
+        return "".join(
+            p.read_text() if p.exists() else ""
+            for p in (out / f"run{i}.rank{r}.{kind}" for r in range(n))
+        )
+
+    done = []
+    for i, (args, _) in enumerate(runs):
+        rcs = [out / f"run{i}.rank{r}.rc" for r in range(n)]
+        if not all(p.exists() for p in rcs):
+            raise AssertionError(
+                f"train_runs: run {i} ({' '.join(map(str, args))}) did not end on every rank; "
+                f"mpirun exited {res.returncode}\n--- its stderr\n{text(i, 'err')[-6000:]}"
+                f"\n--- mpirun's stderr\n{res.stderr[-3000:]}"
+            )
+        rc = max(int(p.read_text()) for p in rcs)
+        if check and rc != 0:
+            raise AssertionError(
+                f"train_runs: run {i} ({' '.join(map(str, args))}) exited {rc}"
+                f"\n--- its stderr\n{text(i, 'err')[-6000:]}"
+            )
+        done.append(subprocess.CompletedProcess(args, rc, text(i, "out"), text(i, "err")))
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+    return done

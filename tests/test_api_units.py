@@ -266,6 +266,15 @@ def test_callwatch_names_only_places_that_can_never_meet():
     assert not conflict(Place(0, 1, 4), Place(0, 1, 5))  # rounds: the servers match those
 
 
+def test_callwatch_patience_is_shortened_only_under_the_test_hooks():
+    from geompi.comm.callwatch import PATIENCE, patience
+
+    short = {"GEOMPI_TEST_CALLWATCH_PATIENCE": "2"}
+    assert patience({}) == PATIENCE == 10.0
+    assert patience(short) == PATIENCE  # a variable left over in production changes nothing
+    assert patience({**short, "GEOMPI_TEST_HOOKS": "1"}) == 2.0
+
+
 def test_agree_names_the_first_setting_a_worker_differs_in():
     from geompi.session import _first_difference
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.mpirun import HOOKS, error_lines, mpirun, run
+from tests.mpirun import HOOKS, error_lines, mpirun, run, train_runs
 
 pytestmark = pytest.mark.mpi
 TRAIN = ["-m", "geompi.train", "--steps", "3", "--progress-every", "1e9"]
@@ -139,7 +139,28 @@ CONFIG_ONLY = {
     "comm-timeout-1e-9",
     "max-staleness-env",
 }
-UNDER_MPIRUN = sorted(set(CASES) - CONFIG_ONLY)  # unknown-sync, unknown-flag, k1-env-zero, ...
+# Refused where every rank leaves by SystemExit(2): the config check (as above), the start-up
+# checks (the topology, rank 0 reports) and the start-up agreement (the ranks that failed).
+# Their representatives (unknown-sync; dc-sizes-dont-add-up; model-factory-not-importable)
+# run as a job of their own, whose processes must exit; the rest run one after another in
+# ONE 4-rank job (tests.mpirun.train_runs), each case asserted on its own output and exit
+# status. (A case found only in training, as dataset-factory-differs-by-worker, aborts the
+# job: not here.)
+IN_ONE_JOB = {
+    "batch-larger-than-shard",
+    "unknown-flag",
+    "k1-env-zero",
+    "too-many-dcs",
+    "zero-global-servers",
+    "dc-slowdown-of-missing-dc",
+    "model-factory-wrong-classes",
+    "dataset-factory-raises",
+    "missing-mnist",
+    "metrics-is-a-directory",
+    "threads-99999999",
+}
+# unknown-sync, world-too-small, dc-without-worker, dc-sizes-dont-add-up, ...
+UNDER_MPIRUN = sorted(set(CASES) - CONFIG_ONLY - IN_ONE_JOB)
 
 
 @pytest.mark.parametrize("name", UNDER_MPIRUN)
@@ -147,6 +168,20 @@ def test_bad_input(name, tmp_path):
     ranks, extra, env, words = CASES[name]
     res = mpirun(ranks, TRAIN + extra, timeout=30, env=env, check=False)
     _assert_one_clear_error(res, words)
+
+
+@pytest.fixture(scope="module")
+def one_job(tmp_path_factory):
+    names = sorted(IN_ONE_JOB)
+    assert {CASES[n][0] for n in names} == {4}
+    runs = [(TRAIN[2:] + CASES[n][1], CASES[n][2]) for n in names]
+    out = tmp_path_factory.mktemp("bad_input")
+    return dict(zip(names, train_runs(4, runs, out, timeout=30 * len(names), check=False)))
+
+
+@pytest.mark.parametrize("name", sorted(IN_ONE_JOB))
+def test_bad_input_in_one_job(name, one_job):
+    _assert_one_clear_error(one_job[name], CASES[name][3])
 
 
 @pytest.mark.parametrize("name", sorted(CONFIG_ONLY))
@@ -240,6 +275,9 @@ API_HANG_CASES = {
     "save_vs_finish": ("fsa", ["worker 0 waits in geompi.save", "waits in geompi.finish"]),
 }
 API_HANG_TIMEOUT = 150  # a normal run of this job took 51 s on a 2-core machine at load 20
+# mismatched calls are named once two workers have waited PATIENCE (10 s) in their places;
+# 2 s here: the rules never match waits that complete, however short the patience
+API_HANG_ENV = {**HOOKS, "GEOMPI_TEST_CALLWATCH_PATIENCE": "2"}
 
 
 @pytest.mark.parametrize("case", sorted(API_HANG_CASES))
@@ -248,7 +286,13 @@ def test_api_mistakes_end_every_rank_under_plain_mpirun(case, tmp_path):
 
     algo, words = API_HANG_CASES[case]
     mode = case.split("-")[0]
-    res = mpirun(6, [prog("api_hang.py"), str(tmp_path), mode, algo], API_HANG_TIMEOUT, check=False)
+    res = mpirun(
+        6,
+        [prog("api_hang.py"), str(tmp_path), mode, algo],
+        API_HANG_TIMEOUT,
+        env=API_HANG_ENV,
+        check=False,
+    )
     lines = error_lines(res.stderr)
     assert res.returncode != 0, res.stdout[-2000:] + res.stderr[-3000:]
     assert len(lines) == 1 and all(w in lines[0] for w in words), res.stderr[-3000:]

@@ -8,7 +8,7 @@ import h5py
 import pytest
 import torch
 
-from tests.mpirun import error_lines, mpirun, read_jsonl
+from tests.mpirun import error_lines, mpirun, read_jsonl, train_runs
 
 pytestmark = pytest.mark.mpi
 P = "tests.progs.user_factories"
@@ -34,8 +34,19 @@ def _model(directory) -> dict[str, torch.Tensor]:
 
 def test_a_factory_copy_of_a_builtin_trains_exactly_like_it(tmp_path):
     common = ["--optimizer", "adam", "--steps", "6"]
-    ours, _ = _train(tmp_path, "ours", "--model", f"{P}:mlp", "--dataset", f"{P}:digits", *common)
-    builtin, _ = _train(tmp_path, "builtin", "--model", "mlp", "--dataset", "digits", *common)
+    ours, builtin = tmp_path / "ours", tmp_path / "builtin"
+    train_runs(  # both in one mpirun job (the ranks start once), the copy first
+        5,
+        [
+            ([*TRAIN[2:], "--metrics", d / "m.jsonl", "--checkpoint-dir", d, *spec, *common], {})
+            for d, spec in [
+                (ours, ["--model", f"{P}:mlp", "--dataset", f"{P}:digits"]),
+                (builtin, ["--model", "mlp", "--dataset", "digits"]),
+            ]
+        ],
+        tmp_path / "runs",
+        timeout=240,
+    )
     a, b = _model(ours), _model(builtin)
     assert a.keys() == b.keys()
     for k in a:

@@ -11,31 +11,23 @@ from tests.reference import large_batch_sgd, max_abs_diff
 pytestmark = pytest.mark.mpi
 
 
+CASES = ["sgd-2dc-1gs", "sgd-3dc-2gs", "adam-2dc-1gs", "adam-3dc-2gs"]
+
+
 @pytest.fixture(scope="module")
 def fsa_runs(tmp_path_factory):
+    """Every case, then adam-3dc-2gs again through host staging buffers (GEOMPI_FORCE_STAGING:
+    a GPU with an MPI that is not CUDA-aware, emulated), one after another in one job."""
     out = tmp_path_factory.mktemp("fsa")
-    mpirun(9, [prog("fsa_exact.py"), str(out)], timeout=240)
+    mpirun(9, [prog("fsa_exact.py"), str(out), ",".join([*CASES, "adam-3dc-2gs+staged"])], 360)
     return out, json.loads((out / "cases.json").read_text())
 
 
-@pytest.fixture(scope="module")
-def staged_run(tmp_path_factory):
-    """Emulation of a GPU with a non-CUDA-aware MPI: every buffer goes through host staging."""
-    out = tmp_path_factory.mktemp("fsa_staged")
-    mpirun(
-        9,
-        [prog("fsa_exact.py"), str(out), "adam-3dc-2gs"],
-        timeout=240,
-        env={"GEOMPI_FORCE_STAGING": "1"},
-    )
-    return out, json.loads((out / "cases.json").read_text())
+def test_fsa_through_staging_buffers_equals_reference(fsa_runs):
+    _check(*fsa_runs, "adam-3dc-2gs+staged")
 
 
-def test_fsa_through_staging_buffers_equals_reference(staged_run):
-    _check(*staged_run, "adam-3dc-2gs")
-
-
-@pytest.mark.parametrize("name", ["sgd-2dc-1gs", "sgd-3dc-2gs", "adam-2dc-1gs", "adam-3dc-2gs"])
+@pytest.mark.parametrize("name", CASES)
 def test_fsa_equals_large_batch_reference(fsa_runs, name):
     _check(*fsa_runs, name)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from geompi import ckpt
-from tests.mpirun import HOOKS, error_lines, mpirun
+from tests.mpirun import HOOKS, error_lines, mpirun, train_runs
 
 pytestmark = pytest.mark.mpi
 BASE = ["-m", "geompi.train", "--model", "mlp", "--batch-size", "12", "--progress-every", "1e9"]
@@ -16,13 +16,25 @@ def train(n, *args, timeout=120, check=True, env=None):
     return mpirun(n, BASE + [str(a) for a in args], timeout=timeout, check=check, env=env)
 
 
+def train_seq(n, out, *runs, timeout=120):
+    """train(n, *args, env=env) for each (args, env) of RUNS in turn, in ONE mpirun job
+    (tests.mpirun.train_runs: the ranks start once, not once a run); each under TIMEOUT.
+    A resume never directly follows the run whose checkpoint it reads (state a run left in
+    the process would then be another step's)."""
+    return train_runs(
+        n, [(BASE[2:] + list(a), e) for a, e in runs], out / "runs", timeout * len(runs)
+    )
+
+
 def test_rotation_after_resume_from_an_older_checkpoint(tmp_path):
     d = tmp_path / "ck"
-    train(3, "--steps", 50, "--checkpoint-dir", d, "--checkpoint-every", 10, "--keep", 5)
     older = d / ckpt.checkpoint_name(10)
-    res = train(
-        3, "--steps", 30, "--checkpoint-dir", d, "--checkpoint-every", 15, "--keep", 2,
-        "--resume", older,
+    _, res = train_seq(
+        3,
+        tmp_path,
+        (["--steps", 50, "--checkpoint-dir", d, "--checkpoint-every", 10, "--keep", 5], {}),
+        (["--steps", 30, "--checkpoint-dir", d, "--checkpoint-every", 15, "--keep", 2,
+          "--resume", older], {}),
     )  # fmt: skip
     assert f"resumed from {older} at step 10" in res.stderr
     # the run's own newest files survive: before, ckpt-15 was deleted right after it was written
@@ -50,18 +62,13 @@ def test_resume_latest_refuses_a_newer_checkpoint_of_another_model(tmp_path):
     """A good file of another model is a mistake to report, not a damaged file to skip: the
     run refused to resume from it, then wrote over it with its own checkpoint of that step."""
     d, other = tmp_path / "ck", tmp_path / "other"
-    train(3, "--steps", 10, "--checkpoint-dir", d, "--checkpoint-every", 10)
-    linear = [
-        "--model",
-        "linear",
-        "--steps",
-        20,
-        "--checkpoint-dir",
-        other,
-        "--checkpoint-every",
-        20,
-    ]
-    train(3, *linear)
+    linear = ["--model", "linear", "--steps", 20, "--checkpoint-dir", other]
+    train_seq(
+        3,
+        tmp_path,
+        (["--steps", 10, "--checkpoint-dir", d, "--checkpoint-every", 10], {}),
+        ([*linear, "--checkpoint-every", 20], {}),
+    )
     theirs = d / ckpt.checkpoint_name(20)
     theirs.write_bytes((other / ckpt.checkpoint_name(20)).read_bytes())  # the newest file
     before = theirs.read_bytes()
@@ -230,14 +237,14 @@ def test_hfa_stops_within_k1_steps_of_sigterm_and_resumes_exactly(tmp_path):
     from tests.test_resume_mpi import identical
 
     hfa = ["--sync", "hfa", "--k1", 4, "--k2", 5, "--dcs", 2, "--momentum", 0.9, "--steps", 40]
-    part, full = tmp_path / "part", tmp_path / "full"
-    res = train(
+    part, full, again = tmp_path / "part", tmp_path / "full", tmp_path / "again"
+    # (the resume writes to its own directory: part keeps what the stopped run left)
+    res, _, resumed = train_seq(
         7,
-        *hfa,
-        "--checkpoint-dir",
-        part,
-        env={**HOOKS, "GEOMPI_FAULT_SIGNAL_AT": "26:1"},
-        check=False,
+        tmp_path,
+        ([*hfa, "--checkpoint-dir", part], {**HOOKS, "GEOMPI_FAULT_SIGNAL_AT": "26:1"}),
+        ([*hfa, "--checkpoint-dir", full], {}),
+        ([*hfa, "--checkpoint-dir", again, "--resume", part / ckpt.checkpoint_name(20)], {}),
     )
     assert res.returncode == 0, res.stderr[-3000:]
     assert not error_lines(res.stderr)
@@ -245,9 +252,8 @@ def test_hfa_stops_within_k1_steps_of_sigterm_and_resumes_exactly(tmp_path):
     assert "at step 20 (stopped at step 28, between global syncs" in line, line
     assert "checkpoint written" in line, line
     assert [p.name for p in ckpt.list_checkpoints(part)] == [ckpt.checkpoint_name(20)]
-    res = train(7, *hfa, "--checkpoint-dir", part, "--resume", "latest")
+    res = resumed
     assert "at step 20" in res.stderr and "steps=40" in res.stderr, res.stderr[-3000:]
-    train(7, *hfa, "--checkpoint-dir", full)
     name = ckpt.checkpoint_name(40)
-    assert identical(part / name, full / name)
-    assert not identical(part / name, part / ckpt.checkpoint_name(20))
+    assert identical(again / name, full / name)
+    assert not identical(again / name, part / ckpt.checkpoint_name(20))

@@ -1,15 +1,14 @@
 """Checkpoints during training: exact resume, re-sharding onto another topology, refusals."""
 
 import shutil
-import subprocess
-import sys
 
 import h5py
 import pytest
 import torch
 
 from geompi import ckpt
-from tests.mpirun import HOOKS, error_lines, mpirun, read_jsonl
+from geompi.ckpt import cli as ckpt_cli
+from tests.mpirun import HOOKS, error_lines, mpirun, read_jsonl, train_runs
 
 pytestmark = pytest.mark.mpi
 BASE = ["-m", "geompi.train", "--model", "mlp", "--batch-size", "12", "--progress-every", "1e9"]
@@ -17,6 +16,16 @@ BASE = ["-m", "geompi.train", "--model", "mlp", "--batch-size", "12", "--progres
 
 def train(n, *args, timeout=120, check=True, env=None):
     return mpirun(n, BASE + [str(a) for a in args], timeout=timeout, check=check, env=env)
+
+
+def train_seq(n, out, *runs, timeout=120):
+    """train(n, *args, env=env) for each (args, env) of RUNS in turn, in ONE mpirun job
+    (tests.mpirun.train_runs: the ranks start once, not once a run); each under TIMEOUT.
+    A resume never directly follows the run whose checkpoint it reads: state a run left in
+    the process would then be another step's, and the bitwise comparisons would catch it."""
+    return train_runs(
+        n, [(BASE[2:] + list(a), e) for a, e in runs], out / "runs", timeout * len(runs)
+    )
 
 
 def _leaves(tree, prefix=""):
@@ -36,13 +45,8 @@ def identical(a, b) -> bool:
 
 
 def test_ckpt_diff_cli_reports_identical_tensors(good_ckpt, tmp_path):
-    shutil.copy(good_ckpt, tmp_path / "copy.h5")
-    res = subprocess.run(
-        [sys.executable, "-m", "geompi.ckpt", "diff", str(good_ckpt), str(tmp_path / "copy.h5")],
-        capture_output=True,
-        text=True,
-    )
-    assert res.returncode == 0, res.stdout + res.stderr
+    shutil.copy(good_ckpt, tmp_path / "copy.h5")  # (the CLI's entry point: tests/test_ckpt.py)
+    assert ckpt_cli.main(["diff", str(good_ckpt), str(tmp_path / "copy.h5")]) == 0
 
 
 @pytest.mark.parametrize("algo", [["--sync", "fsa", "--optimizer", "adam"]])
@@ -51,9 +55,13 @@ def test_resume_is_bitwise_identical(tmp_path, algo):
     # HFA's bitwise resumes: plain (after a SIGTERM and a rewind) in test_reliability_mpi.py,
     # adaptive and streaming below.
     full, part = tmp_path / "full", tmp_path / "part"
-    train(9, "--steps", 16, "--checkpoint-dir", full, *algo)
-    train(9, "--steps", 8, "--checkpoint-dir", part, *algo)
-    res = train(9, "--steps", 16, "--checkpoint-dir", part, "--resume", "latest", *algo)
+    _, _, res = train_seq(
+        9,
+        tmp_path,
+        (["--steps", 8, "--checkpoint-dir", part, *algo], {}),
+        (["--steps", 16, "--checkpoint-dir", full, *algo], {}),
+        (["--steps", 16, "--checkpoint-dir", part, "--resume", "latest", *algo], {}),
+    )
     assert "geompi: resumed from" in res.stderr and "at step 8" in res.stderr
     a, b = full / "ckpt-00000016.h5", part / "ckpt-00000016.h5"
     assert identical(a, b)
@@ -72,8 +80,15 @@ def test_adaptive_sync_checkpoints_its_k2_and_resumes_exactly(tmp_path):
     hfa = ["--sync", "hfa", "--adaptive-sync", "--k1", 2, "--k2", 1, "--k2-max", 3]
     hfa += ["--wan-latency", "100ms"]
     hfa += ["--dc-sizes", "4,2", "--momentum", 0.9, "--steps", 20, "--checkpoint-every", 10]
-    full, part = tmp_path / "full", tmp_path / "part"
-    res = train(7, *hfa, "--checkpoint-dir", full, "--metrics", tmp_path / "m.jsonl")
+    full, part, again = tmp_path / "full", tmp_path / "part", tmp_path / "again"
+    # (the resume writes to its own directory: part keeps what the stopped run left)
+    stopped, res, resumed = train_seq(
+        7,
+        tmp_path,
+        ([*hfa, "--checkpoint-dir", part], {**HOOKS, "GEOMPI_FAULT_SIGNAL_AT": "13:1"}),
+        ([*hfa, "--checkpoint-dir", full, "--metrics", tmp_path / "m.jsonl"], {}),
+        ([*hfa, "--checkpoint-dir", again, "--resume", part / ckpt.checkpoint_name(10)], {}),
+    )
     assert "k2=3" in res.stderr, res.stderr[-3000:]
     records = read_jsonl(tmp_path / "m.jsonl")
     changes = [r for r in records if r.get("event") == "k2"]
@@ -84,24 +99,17 @@ def test_adaptive_sync_checkpoints_its_k2_and_resumes_exactly(tmp_path):
     for step in (10, 20):
         strategy = ckpt.load(full / ckpt.checkpoint_name(step)).algorithm["strategy"]
         assert strategy["k2"] == 3 and strategy["steps"] == step, strategy
-    res = train(
-        7,
-        *hfa,
-        "--checkpoint-dir",
-        part,
-        env={**HOOKS, "GEOMPI_FAULT_SIGNAL_AT": "13:1"},
-        check=False,
-    )
+    res = stopped
     assert res.returncode == 0 and not error_lines(res.stderr), res.stderr[-3000:]
     assert "at step 10 (stopped at step 14, between global syncs" in res.stderr, res.stderr[-3000:]
     assert [p.name for p in ckpt.list_checkpoints(part)] == [ckpt.checkpoint_name(10)]
     assert identical(part / ckpt.checkpoint_name(10), full / ckpt.checkpoint_name(10))
-    res = train(7, *hfa, "--checkpoint-dir", part, "--resume", "latest")
+    res = resumed
     assert "at step 10" in res.stderr and "steps=20" in res.stderr, res.stderr[-3000:]
     name = ckpt.checkpoint_name(20)
-    assert identical(part / name, full / name)
-    assert len(ckpt.load(part / name).algorithm["hfa"]["local"]) == 4  # each worker's momentum
-    assert not identical(part / name, part / ckpt.checkpoint_name(10))
+    assert identical(again / name, full / name)
+    assert len(ckpt.load(again / name).algorithm["hfa"]["local"]) == 4  # each worker's momentum
+    assert not identical(again / name, part / ckpt.checkpoint_name(10))
 
 
 ADAPTIVE = ["--adaptive-sync", "--k2-min", 2, "--k2-max", 3, "--wan-latency", "100ms"]
@@ -120,7 +128,13 @@ def test_streaming_hfa_checkpoints_and_resumes_exactly(tmp_path, cadence):
     hfa += ["--dc-sizes", "4,2", "--momentum", 0.9, "--steps", 16, "--checkpoint-every", 8]
     hfa += ["--bucket-mb", 0.01, *cadence]  # buckets of 10 kB: each fragment has keys
     full, part, resumed = tmp_path / "full", tmp_path / "part", tmp_path / "resumed"
-    train(7, *hfa, "--checkpoint-dir", full, "--metrics", tmp_path / "m.jsonl")
+    stopped, _, res_resumed = train_seq(
+        7,
+        tmp_path,
+        ([*hfa, "--checkpoint-dir", part], {**HOOKS, "GEOMPI_FAULT_SIGNAL_AT": "11:1"}),
+        ([*hfa, "--checkpoint-dir", full, "--metrics", tmp_path / "m.jsonl"], {}),
+        ([*hfa, "--checkpoint-dir", resumed, "--resume", part / ckpt.checkpoint_name(8)], {}),
+    )
     if cadence:
         records = read_jsonl(tmp_path / "m.jsonl")
         changes = [(r["step"], r["old_k2"], r["new_k2"]) for r in records if r.get("event") == "k2"]
@@ -128,23 +142,14 @@ def test_streaming_hfa_checkpoints_and_resumes_exactly(tmp_path, cadence):
         assert records[-1]["k2"] == 3
         for step in (8, 16):
             assert ckpt.load(full / ckpt.checkpoint_name(step)).algorithm["strategy"]["k2"] == 3
-    res = train(
-        7,
-        *hfa,
-        "--checkpoint-dir",
-        part,
-        env={**HOOKS, "GEOMPI_FAULT_SIGNAL_AT": "11:1"},
-        check=False,
-    )
+    res = stopped
     assert res.returncode == 0 and not error_lines(res.stderr), res.stderr[-3000:]
     assert "at step 12; checkpoint written" in res.stderr, res.stderr[-3000:]
     assert [p.name for p in ckpt.list_checkpoints(part)] == [
         ckpt.checkpoint_name(8), ckpt.checkpoint_name(12)
     ]  # fmt: skip
     assert identical(part / ckpt.checkpoint_name(8), full / ckpt.checkpoint_name(8))
-    res = train(
-        7, *hfa, "--checkpoint-dir", resumed, "--resume", part / ckpt.checkpoint_name(8)
-    )  # fmt: skip
+    res = res_resumed
     assert "at step 8" in res.stderr and "steps=16" in res.stderr, res.stderr[-3000:]
     name = ckpt.checkpoint_name(16)
     assert identical(resumed / name, full / name)
@@ -153,27 +158,32 @@ def test_streaming_hfa_checkpoints_and_resumes_exactly(tmp_path, cadence):
 
 def test_resume_onto_another_topology_reshards(tmp_path):
     src, dst = tmp_path / "src", tmp_path / "dst"
-    train(9, "--steps", 6, "--checkpoint-dir", src, "--optimizer", "adam")
-    shutil.copy(src / "ckpt-00000006.h5", tmp_path / "in.h5")
     # 9 ranks -> 2 datacenters and 2 global servers; no further steps: the state written back
     # after re-sharding must be the state that was read
-    res = train(
+    read = src / "ckpt-00000006.h5"
+    reshard = ["--dc-sizes", "3,4", "--global-servers", "2"]
+    _, res = train_seq(
         9,
-        "--steps",
-        6,
-        "--checkpoint-dir",
-        dst,
-        "--resume",
-        tmp_path / "in.h5",
-        "--dc-sizes",
-        "3,4",
-        "--global-servers",
-        "2",
-        "--optimizer",
-        "adam",
+        tmp_path,
+        (["--steps", 6, "--checkpoint-dir", src, "--optimizer", "adam"], {}),
+        (
+            [
+                "--steps",
+                6,
+                "--checkpoint-dir",
+                dst,
+                "--resume",
+                read,
+                *reshard,
+                "--optimizer",
+                "adam",
+            ],
+            {},
+        ),
     )
     assert "re-sharded" in res.stderr
-    assert identical(tmp_path / "in.h5", dst / "ckpt-00000006.h5")
+    assert [p.name for p in ckpt.list_checkpoints(src)] == [read.name]  # the input, unchanged
+    assert identical(read, dst / "ckpt-00000006.h5")
 
 
 def _nbytes(*trees) -> int:
@@ -186,9 +196,26 @@ def test_checkpoint_state_messages_are_counted(tmp_path):
     args = ["--optimizer", "adam", "--dc-sizes", "4", "--global-servers", "1"]
     plain, saved, resumed = (tmp_path / f"{r}.jsonl" for r in ("plain", "saved", "resumed"))
     d = tmp_path / "ck"
-    train(5, "--steps", 4, *args, "--metrics", plain)
-    train(5, "--steps", 4, *args, "--metrics", saved, "--checkpoint-dir", d)
-    train(5, "--steps", 8, *args, "--metrics", resumed, "--checkpoint-dir", d, "--resume", "latest")
+    train_seq(
+        5,
+        tmp_path,
+        (["--steps", 4, *args, "--metrics", saved, "--checkpoint-dir", d], {}),
+        (["--steps", 4, *args, "--metrics", plain], {}),
+        (
+            [
+                "--steps",
+                8,
+                *args,
+                "--metrics",
+                resumed,
+                "--checkpoint-dir",
+                d,
+                "--resume",
+                "latest",
+            ],
+            {},
+        ),
+    )
     a, b, c = (read_jsonl(m)[-1] for m in (plain, saved, resumed))
     ck = ckpt.load(d / "ckpt-00000004.h5")
     # The SAVE round adds its header (sent by the local server, received by the global server)
@@ -212,19 +239,25 @@ def test_mixedsync_dcasgd_resumes_and_reaches_accuracy(tmp_path):
     d = tmp_path / "ck"
     args = ["--mixed-sync", "--dcasgd", "--dc-slowdown", "1:3", "--max-staleness", "8"]
     args += ["--model", "cnn", "--batch-size", "16"]
-    train(16, *args, "--steps", 80, "--checkpoint-dir", d, timeout=240)
     metrics = tmp_path / "m.jsonl"
-    res = train(
+    _, res = train_seq(
         16,
-        *args,
-        "--steps",
-        210,
-        "--checkpoint-dir",
-        d,
-        "--resume",
-        "latest",
-        "--metrics",
-        metrics,
+        tmp_path,
+        ([*args, "--steps", 80, "--checkpoint-dir", d], {}),
+        (
+            [
+                *args,
+                "--steps",
+                210,
+                "--checkpoint-dir",
+                d,
+                "--resume",
+                "latest",
+                "--metrics",
+                metrics,
+            ],
+            {},
+        ),
         timeout=240,
     )
     assert "at step 80" in res.stderr
@@ -265,51 +298,16 @@ def _bump_version(path):
         f.attrs["format_version"] = 99
 
 
-@pytest.mark.parametrize(
-    "damage,words",
-    [
-        (_flip_byte, ["checksum"]),
-        (_truncate, ["truncated"]),
-        (_bump_version, ["format_version 99", "upgrade geompi"]),
-    ],
-)
-def test_bad_checkpoint_is_refused_on_resume(tmp_path, good_ckpt, damage, words):
-    bad = tmp_path / "bad.h5"
-    shutil.copy(good_ckpt, bad)
-    damage(bad)
-    before = bad.read_bytes()
-    res = train(
-        4,
-        "--steps",
-        6,
-        "--checkpoint-dir",
-        tmp_path / "out",
-        "--resume",
-        bad,
-        check=False,
-        timeout=30,
-    )
-    errs = error_lines(res.stderr)
-    assert res.returncode != 0 and len(errs) == 1 and "Traceback" not in res.stderr, res.stderr
-    assert all(w in errs[0] for w in words), errs[0]
-    assert bad.read_bytes() == before  # nothing overwritten
-    assert not list((tmp_path / "out").glob("ckpt-*.h5"))  # and no run started
-    verify = subprocess.run(
-        [sys.executable, "-m", "geompi.ckpt", "verify", str(bad)], capture_output=True, text=True
-    )
-    assert verify.returncode == 1
+DAMAGES = {"_flip_byte": _flip_byte, "_truncate": _truncate, "_bump_version": _bump_version}
 
 
-def test_a_data_position_beyond_an_epoch_stops_every_rank_in_one_line(tmp_path, good_ckpt):
-    """A file that verifies but puts a worker past its epoch's end (a hand-edited or foreign
-    file): the workers learn it only as they take their positions, after start-up, so they
-    stop together and the master names the file; it used to be that worker's own line, which
-    did not say which file."""
+def _far_positions(good_ckpt, path):
+    """A file that verifies but puts the last worker past its epoch's end."""
     ck = ckpt.load(good_ckpt)
     positions = ck.progress["data_positions"].clone()
     positions[-1] = torch.tensor([0, 10**6])
-    bad = ckpt.save(
-        tmp_path / "far.h5",
+    ckpt.save(
+        path,
         model=ck.model,
         optimizer=ck.optimizer,
         optimizer_attrs=ck.optimizer_attrs,
@@ -321,30 +319,79 @@ def test_a_data_position_beyond_an_epoch_stops_every_rank_in_one_line(tmp_path, 
         topology=ck.attrs["topology"],
         config=ck.attrs["config"],
     )
+    return len(positions) - 1
+
+
+@pytest.fixture(scope="module")
+def refused(tmp_path_factory, good_ckpt):
+    """The refused resumes below, one after another in ONE 4-rank mpirun job (each is refused
+    at start-up, where every rank leaves by SystemExit(2): tests.mpirun.train_runs); each test
+    asserts on its own run. (A position beyond an epoch is found in training, where the job
+    aborts: that test has its own job.) Maps a case to (its run, its directory, the bytes of
+    its file as they were before the job)."""
+    root = tmp_path_factory.mktemp("refused")
+    cases, runs = {}, []
+    for name, damage in DAMAGES.items():
+        d = root / name
+        d.mkdir()
+        bad = d / "bad.h5"
+        shutil.copy(good_ckpt, bad)
+        damage(bad)
+        cases[name] = (d, bad.read_bytes())
+        runs.append((BASE[2:] + ["--steps", 6, "--checkpoint-dir", d / "out", "--resume", bad], {}))
+    cases["other_model"] = (root, b"")
+    runs.append((["--model", "cnn", "--steps", 3, "--resume", good_ckpt], {}))
+    d = root / "unwritable"
+    d.mkdir()
+    (d / "file").write_text("not a directory")
+    cases["unwritable"] = (d, b"")
+    runs.append((BASE[2:] + ["--steps", 3, "--checkpoint-dir", d / "file" / "ck"], {}))
+    done = train_runs(4, runs, root / "runs", timeout=60 * len(runs), check=False)
+    return {name: (res, *case) for (name, case), res in zip(cases.items(), done)}
+
+
+@pytest.mark.parametrize(
+    "damage,words",
+    [
+        ("_flip_byte", ["checksum"]),
+        ("_truncate", ["truncated"]),
+        ("_bump_version", ["format_version 99", "upgrade geompi"]),
+    ],
+)
+def test_bad_checkpoint_is_refused_on_resume(refused, damage, words):
+    res, d, before = refused[damage]
+    bad = d / "bad.h5"
+    errs = error_lines(res.stderr)
+    assert res.returncode != 0 and len(errs) == 1 and "Traceback" not in res.stderr, res.stderr
+    assert all(w in errs[0] for w in words), errs[0]
+    assert bad.read_bytes() == before  # nothing overwritten
+    assert not list((d / "out").glob("ckpt-*.h5"))  # and no run started
+    assert ckpt_cli.main(["verify", str(bad)]) == 1
+
+
+def test_a_data_position_beyond_an_epoch_stops_every_rank_in_one_line(tmp_path, good_ckpt):
+    """A file that verifies but puts a worker past its epoch's end (a hand-edited or foreign
+    file): the workers learn it only as they take their positions, after start-up, so they
+    stop together and the master names the file; it used to be that worker's own line, which
+    did not say which file."""
+    bad = tmp_path / "far.h5"
+    worker = _far_positions(good_ckpt, bad)
     res = train(4, "--steps", 6, "--resume", bad, check=False, timeout=60)
     errs = error_lines(res.stderr)
     assert res.returncode != 0 and len(errs) == 1 and "Traceback" not in res.stderr, res.stderr
-    worker = len(positions) - 1
     assert f"checkpoint {bad}: worker {worker}'s loader state epoch=0 position=1000000" in errs[0]
     assert "resume with the same --batch-size" in errs[0], errs[0]
 
 
-def test_checkpoint_of_another_model_is_refused(tmp_path, good_ckpt):
-    res = mpirun(
-        4,
-        ["-m", "geompi.train", "--model", "cnn", "--steps", "3", "--resume", str(good_ckpt)],
-        check=False,
-        timeout=30,
-    )
+def test_checkpoint_of_another_model_is_refused(refused):
+    res, _, _ = refused["other_model"]
     errs = error_lines(res.stderr)
     assert res.returncode != 0 and len(errs) == 1, res.stderr
     assert "different model" in errs[0]
 
 
-def test_unwritable_checkpoint_dir(tmp_path):
-    blocker = tmp_path / "file"
-    blocker.write_text("not a directory")
-    res = train(4, "--steps", 3, "--checkpoint-dir", blocker / "ck", check=False, timeout=30)
+def test_unwritable_checkpoint_dir(refused):
+    res, _, _ = refused["unwritable"]
     errs = error_lines(res.stderr)
     assert res.returncode != 0 and len(errs) == 1, res.stderr
     assert "cannot write checkpoint" in errs[0] and "--checkpoint-dir" in errs[0]

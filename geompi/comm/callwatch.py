@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -33,6 +34,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from geompi.comm.faults import TEST_HOOKS
 
 TAG = 7013
 PATIENCE = 10.0  # seconds a worker waits in one place before it tells the others
@@ -207,8 +210,17 @@ def start(comm, rounds: Callable[[], int], report: Callable[[str], None]) -> Cal
 
     if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
         return None
-    _watch = CallWatch(comm, rounds, report)
+    _watch = CallWatch(comm, rounds, report, patience=patience())
     return _watch
+
+
+def patience(env=os.environ) -> float:
+    """PATIENCE; under ``GEOMPI_TEST_HOOKS=1``, ``GEOMPI_TEST_CALLWATCH_PATIENCE`` seconds (a
+    test's mismatch is then named sooner: waits that will complete never match, however
+    short the patience)."""
+    if env.get(TEST_HOOKS) == "1" and env.get("GEOMPI_TEST_CALLWATCH_PATIENCE"):
+        return float(env["GEOMPI_TEST_CALLWATCH_PATIENCE"])
+    return PATIENCE
 
 
 def stop() -> None:

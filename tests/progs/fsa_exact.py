@@ -1,6 +1,12 @@
-"""FSA exactness: train several topologies on one 9-rank world; rank 0 saves final parameters."""
+"""FSA exactness: train several topologies on one 9-rank world; rank 0 saves final parameters.
+
+argv: OUT [CASES], CASES a comma-separated list of CASES' names (default: all); NAME+staged
+trains NAME again with GEOMPI_FORCE_STAGING=1 (every buffer through host staging, as a GPU
+with an MPI that is not CUDA-aware), saved as NAME+staged.
+"""
 
 import json
+import os
 import sys
 
 import torch
@@ -28,9 +34,9 @@ COMMON = dict(
 )
 only = sys.argv[2].split(",") if len(sys.argv) > 2 else list(CASES)
 results = {}
-for name, case in CASES.items():
-    if name not in only:
-        continue
+for name in only:
+    case = CASES[name.removesuffix("+staged")]
+    os.environ["GEOMPI_FORCE_STAGING"] = "1" if name.endswith("+staged") else "0"
     lr = 0.05 if case["optimizer"] == "sgd" else 2e-3
     cfg = make_config(env={}, **COMMON, **case, lr=lr)
     summary = train(cfg)
@@ -43,4 +49,5 @@ for name, case in CASES.items():
         }
 if results:
     with open(f"{out}/cases.json", "w") as f:
-        json.dump({"cases": CASES, "common": COMMON, "results": results}, f)
+        cases = {name: CASES[name.removesuffix("+staged")] for name in only}
+        json.dump({"cases": cases, "common": COMMON, "results": results}, f)

@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 from mpi4py import MPI
 
@@ -17,10 +18,22 @@ from geompi.train import train
 
 args = sys.argv[1:]
 rank = MPI.COMM_WORLD.Get_rank()
+
+
+def signal_once_training() -> None:
+    """SIGUSR1 to this process a moment after the first run installed its handler (a fixed
+    delay from start-up, as before, waited 12 s to be safe on a loaded machine, and the first
+    run trained all that time)."""
+    while signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL:
+        time.sleep(0.02)
+    time.sleep(0.5)
+    os.kill(os.getpid(), signal.SIGUSR1)
+
+
 # rank 0 (a worker) is signalled during the first run; the workers agree on the stop and tell
 # the servers (signalling every rank by its own timer would hit a later one after the run)
 if rank == 0:
-    threading.Timer(12.0, os.kill, (os.getpid(), signal.SIGUSR1)).start()
+    threading.Thread(target=signal_once_training, daemon=True).start()
 first = train(make_config([*args, "--steps", "100000"], env={}))
 second = train(make_config([*args, "--steps", "6"], env={}))
 if rank == 0:
