@@ -13,6 +13,7 @@ import hashlib
 import json
 import sys
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
@@ -22,6 +23,9 @@ from geompi.comm.topology import Communicators, Role, Topology, node_share
 from geompi.comm.transport import LinkStats
 from geompi.config import RunConfig, make_config
 from geompi.errors import ConfigError, GeompiError, ProtocolError
+
+if TYPE_CHECKING:  # mpi4py's stubs; importing it at run time would start MPI
+    from mpi4py.MPI import Intracomm
 
 # Settings of ``init()`` that come from RunConfig (keywords override GEOMPI_* variables).
 INIT_SETTINGS = (
@@ -50,7 +54,9 @@ class Session:
     stats: LinkStats
     rank: int
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    optimizer: object | None = None  # the DistributedOptimizer the servers now serve
+    # the DistributedOptimizer the servers now serve (a geompi.optimizer.GeompiOptimizer: Any,
+    # since that module imports this one)
+    optimizer: Any = None
     local_rank: int = 0  # this worker's index among the workers on its node
     finished: bool = False
 
@@ -62,7 +68,15 @@ class Session:
     def is_worker(self) -> bool:
         return self.role is Role.WORKER
 
-    def send_job(self, job: dict, optimizer: object | None) -> None:
+    @property
+    def worker_comm(self) -> Intracomm:
+        """Every worker of the job (``comms.all_workers``: a worker's, never None on one)."""
+        comm = self.comms.all_workers
+        if comm is None:  # pragma: no cover - servers stay inside init()
+            raise ConfigError("this rank is a server: code after geompi.init() runs on workers")
+        return comm
+
+    def send_job(self, job: dict, optimizer: Any) -> None:
         """Master worker: tell every server what to serve next (collective over COMM_WORLD).
 
         A DistributedOptimizer still being served is closed first, so one job can train with
@@ -112,7 +126,7 @@ def init(comm=None, **settings) -> Session:
         raise ConfigError("geompi.init() was already called: call geompi.finish() first")
     install_excepthook()
     unknown = sorted(set(settings) - set(INIT_SETTINGS))
-    cfg = None
+    cfg: RunConfig | None = None
 
     def plan(c) -> Topology:
         nonlocal cfg
@@ -123,15 +137,19 @@ def init(comm=None, **settings) -> Session:
             )
         cfg = make_config(**settings).validate()
         cfg.wan_settings()  # GEOMPI_WAN_* variables: checked before any collective call
-        return plan_topology(cfg, c)
+        return plan_topology(cfg, c, alone=True)  # one process: trains locally
 
     try:
         comm, topo, comms, stats = start_job(plan, comm)
-        configure_threads(comm)  # one share of the node's CPUs per rank (geompi.threads)
+        # one share of the node's CPUs per rank (geompi.threads); one process: one line only
+        configure_threads(comm, quiet=topo.serverless)
     except GeompiError as e:  # pragma: no cover - start_job reports and exits itself
         exit_together(e, 0)
-    heartbeat.start(comm, cfg.comm_timeout)  # so the watchdog can tell idle from lost
-    if cfg.on_failure == "continue":  # waits raise PeerLost instead of failing (ULFM)
+    assert cfg is not None  # plan() made it, or start_job ended the process
+    alone = topo.serverless  # one process: no peer to watch, nothing to serve
+    if not alone:
+        heartbeat.start(comm, cfg.comm_timeout)  # so the watchdog can tell idle from lost
+    if cfg.on_failure == "continue" and not alone:  # waits raise PeerLost (ULFM)
         faults.watch(comm)
     rank = comm.Get_rank()
     _session = Session(cfg, topo, comms, stats, rank)
@@ -139,7 +157,7 @@ def init(comm=None, **settings) -> Session:
         _session.device = worker_device(comms.workers)
         _session.local_rank = node_share(comms.all_workers)[0]  # geompi.local_worker_rank()
         atexit.register(_finish_at_exit)
-        if cfg.on_failure != "continue":  # a recovery replaces the workers' communicator
+        if cfg.on_failure != "continue" and not alone:  # a recovery replaces the communicator
             callwatch.start(comms.all_workers, _rounds_begun, _report_mismatch)
         return _session
     _serve(_session)
@@ -257,7 +275,7 @@ def _stop_heartbeat(s: Session) -> None:
     heartbeat.stop()
 
 
-def exit_identically(s: Session, err: GeompiError) -> None:
+def exit_identically(s: Session, err: GeompiError) -> NoReturn:
     """An error every worker raised alike (bad arguments): the master prints it and aborts
     the job with status 2, servers included (they serve inside ``geompi.init``, and under a
     plain ``mpirun python script.py`` workers that exit leave them waiting for ever)."""
@@ -266,7 +284,7 @@ def exit_identically(s: Session, err: GeompiError) -> None:
     s.finished = True  # no collective goodbye at exit
     if s.rank == 0:
         abort(err, code=2)
-    s.comms.all_workers.Barrier()  # never completes: the master's abort ends this process
+    s.worker_comm.Barrier()  # never completes: the master's abort ends this process
     raise err  # pragma: no cover
 
 
@@ -278,7 +296,7 @@ def agree(s: Session, err: GeompiError | None, what: str, settings: object = Non
     text = None if err is None else str(err)
     mine = json.dumps(settings, sort_keys=True, default=repr)
     digest = hashlib.sha256(mine.encode()).hexdigest()
-    rows = s.comms.all_workers.allgather([text, digest])
+    rows = s.worker_comm.allgather([text, digest])
     failed = [(w, t) for w, (t, _) in enumerate(rows) if t]
     if failed:
         w, text = failed[0]
@@ -287,7 +305,7 @@ def agree(s: Session, err: GeompiError | None, what: str, settings: object = Non
         exit_identically(s, ConfigError(problem))
     if len({d for _, d in rows}) == 1:
         return
-    everyone = [json.loads(d) for d in s.comms.all_workers.allgather(mine)]
+    everyone = [json.loads(d) for d in s.worker_comm.allgather(mine)]
     exit_identically(s, ConfigError(_first_difference(what, everyone)))
 
 
@@ -317,7 +335,7 @@ def _brief(value: object) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def stop_identically(s: Session, err: GeompiError) -> None:
+def stop_identically(s: Session, err: GeompiError) -> NoReturn:
     """An error every worker hits alike during training: the master prints one line and aborts
     the job; the other workers wait to be ended by that abort."""
     from geompi.runtime import abort
@@ -325,7 +343,7 @@ def stop_identically(s: Session, err: GeompiError) -> None:
     s.finished = True
     if s.rank == 0:
         abort(err)
-    s.comms.all_workers.Barrier()  # never completes: the master's abort ends this process
+    s.worker_comm.Barrier()  # never completes: the master's abort ends this process
     raise err  # pragma: no cover
 
 
@@ -334,7 +352,7 @@ def fail_together(s: Session, err: GeompiError | None) -> None:
     rank of the job stops (the servers too)."""
     from geompi.runtime import abort
 
-    msgs = s.comms.all_workers.allgather(None if err is None else str(err))
+    msgs = s.worker_comm.allgather(None if err is None else str(err))
     failed = [m for m in msgs if m]
     if not failed:
         return
@@ -342,7 +360,7 @@ def fail_together(s: Session, err: GeompiError | None) -> None:
     if s.rank == 0:
         more = f" (and on {len(failed) - 1} more worker(s))" if len(failed) > 1 else ""
         abort(GeompiError(failed[0] + more))
-    s.comms.all_workers.Barrier()  # the master's abort ends this process
+    s.worker_comm.Barrier()  # the master's abort ends this process
 
 
 def _finish_at_exit() -> None:
