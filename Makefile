@@ -1,5 +1,6 @@
 # Quick start: `make train` (set up .venv and run the default 16-rank job), `make test`.
-# Also: `make test-fast` (the one-process tests), `make lint`, `make docs` (the site, into site/).
+# Also: `make test-fast` (the one-process tests), `make lint`, `make typecheck` (mypy),
+# `make docs` (the site, into site/).
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
@@ -28,7 +29,7 @@ FT_TIMEOUT ?= 10
 FT_FLAGS := $(if $(FT),--with-ft ulfm --mca btl self$(comma)tcp --mca mpi_ft_detector true \
 	--mca mpi_ft_detector_thread true --mca mpi_ft_detector_timeout $(FT_TIMEOUT))
 
-.PHONY: setup train test test-fast lint docs bench clean
+.PHONY: setup train test test-fast lint typecheck docs bench clean
 
 setup: $(VENV)/.installed
 
@@ -52,6 +53,10 @@ test-fast: setup
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+
+# mypy on the public modules ([tool.mypy] in pyproject.toml lists them)
+typecheck: setup
+	$(BIN)/mypy
 
 # the documentation site (mkdocs.yml, docs/), API reference from the docstrings; --strict:
 # any warning (a broken link, a docstring griffe cannot read) fails the build
