@@ -35,6 +35,7 @@ def test_one_process_trains_as_plain_torch_and_resumes_exactly(tmp_path):
     assert full["world"] == [0, 1, True, 0, 0, 1, "cpu"]
     assert full["all_reduce"] == [[1.5, -2.0]] * 4  # mean, sum, max, min of one worker
     assert full["broadcast"] == {"a": [1, 2]}
+    assert full["sampler"] == list(range(10))  # the one worker's shard is the whole dataset
     cases = ("sgd_fsa", "adam_fsa", "sgd_hfa", "adam_mixed")
     for case in cases:
         assert full[f"{case}_same_object"] and full[f"{case}_written"], case

@@ -98,6 +98,7 @@ def full(out: Path) -> dict:
             for op in ("mean", "sum", "max", "min")
         ],
         "broadcast": geompi.broadcast_object({"a": [1, 2]}, root=0),
+        "sampler": sorted(geompi.DistributedSampler(list(range(10)), shuffle=True)),
     }
     for kind, sync in CASES:
         name = f"{kind}_{sync}"
