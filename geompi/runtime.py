@@ -145,9 +145,18 @@ def abort(err: BaseException, code: int = 1) -> None:
     # line a head start, so that it is not lost or printed after Open MPI's abort banner.
     time.sleep(_LET_LINE_OUT_S)
     try:
-        world().Abort(code)
+        if not _alone():  # one process has no other rank to end (and no MPI_Abort banner)
+            world().Abort(code)
     finally:
         os._exit(code)
+
+
+def _alone() -> bool:
+    """Whether the world is one process (``python script.py``, no mpirun)."""
+    try:
+        return world().Get_size() == 1
+    except Exception:  # noqa: BLE001 - no MPI: nothing else to end either
+        return True
 
 
 def _rank() -> int:
@@ -178,6 +187,9 @@ def install_excepthook() -> None:
             # itself raises what matters; aborting here killed runs that would have gone on.
             if not _is_h5py_dealloc(tb):
                 sys.__excepthook__(typ, value, tb)
+            return
+        if _alone():  # one process: no rank left waiting; Python's own traceback, exit 1
+            sys.__excepthook__(typ, value, tb)
             return
         abort(value)
 

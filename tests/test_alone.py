@@ -59,6 +59,20 @@ def test_one_process_that_names_a_topology_is_one_line(tmp_path):
     assert "mpirun -n" in line and "to train locally in one process" in line, line
 
 
+def test_one_process_errors_are_python_s_own_no_mpi_abort(tmp_path):
+    """A refusal is one line and status 1, as under mpirun but with no MPI_Abort banner (there
+    is no other rank to end); a script's own exception is Python's traceback, status 1."""
+    res = _script(tmp_path, "closure")
+    assert res.returncode == 1, res.stdout + res.stderr
+    lines = (res.stdout + res.stderr).strip().splitlines()
+    assert lines[0] == NOTICE and len(lines) == 2, lines
+    assert lines[1].startswith("geompi: error: DistributedOptimizer.step(closure)"), lines
+    res = _script(tmp_path, "raise")
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert res.stderr.rstrip().endswith("ValueError: a bug in the user's script"), res.stderr
+    assert "Traceback" in res.stderr and "geompi: error" not in res.stderr, res.stderr
+
+
 def test_the_cli_in_one_process_says_how_many_ranks_it_needs(tmp_path):
     """``python -m geompi.train`` is the distributed demo (per-datacenter figures, WAN bytes):
     in one process it says, in one line, how many ranks it needs, and exits 2."""

@@ -9,7 +9,8 @@ with plain torch on the same batches, ``no_sync`` micro-batches included. The wo
 accessors and collectives are written out.
 PHASE ``resume``: in a new process, the checkpoint loaded into a fresh model and optimizer,
 the remaining steps, compared bitwise with an uninterrupted plain torch run.
-PHASE ``named``: ``geompi.init(dc_sizes=...)`` in one process: one error line.
+PHASE ``named``: ``geompi.init(dc_sizes=...)`` in one process: one error line. PHASE
+``closure``: ``step(closure)``, refused as under mpirun; ``raise``: the script's own error.
 Writes ``OUT/<phase>.json``.
 """
 
@@ -148,6 +149,12 @@ def main() -> None:
         geompi.init(dc_sizes=(2, 2))
         raise SystemExit("init returned")
     geompi.init()
+    if phase in ("closure", "raise"):
+        model = make_model(0)
+        opt = geompi.DistributedOptimizer(make_optimizer(model, "sgd")[0], model)
+        if phase == "closure":
+            opt.step(lambda: 0.0)  # refused under mpirun: in one process too
+        raise ValueError("a bug in the user's script")
     res = full(out) if phase == "full" else resume(out)
     (out / f"{phase}.json").write_text(json.dumps(res))
 
