@@ -36,11 +36,12 @@ def test_one_process_trains_as_plain_torch_and_resumes_exactly(tmp_path):
     assert full["all_reduce"] == [[1.5, -2.0]] * 4  # mean, sum, max, min of one worker
     assert full["broadcast"] == {"a": [1, 2]}
     assert full["sampler"] == list(range(10))  # the one worker's shard is the whole dataset
-    cases = ("sgd_fsa", "adam_fsa", "sgd_hfa", "adam_mixed")
+    cases = ("sgd_fsa", "adam_fsa", "sgd_hfa", "adam_mixed", "clip_fsa")
     for case in cases:
         assert full[f"{case}_same_object"] and full[f"{case}_written"], case
         assert full[f"{case}_diff"] == [], (case, full[f"{case}_diff"])
         assert full[f"{case}_syncs"] == 0 and full[f"{case}_failures"] == [], case
+    assert full["clip_active"]  # max_grad_norm clipped as plain torch's clip_grad_norm_ did
     assert full["report"] == [0, 0]  # close(): the master's report, no byte sent
     # a new process: load, then the rest of the steps; equal to an uninterrupted run
     res = _script(tmp_path, "resume")

@@ -27,13 +27,14 @@ import geompi
 
 STEPS, SAVE_AT = 8, 5
 # (optimizer, algorithm): in one process every algorithm's step is the optimizer's own
-CASES = (("sgd", "fsa"), ("adam", "fsa"), ("sgd", "hfa"), ("adam", "mixed"))
+CASES = (("sgd", "fsa"), ("adam", "fsa"), ("sgd", "hfa"), ("adam", "mixed"), ("clip", "fsa"))
+MAX_NORM = 0.5  # the "clip" case's max_grad_norm
 loss_fn = torch.nn.CrossEntropyLoss()
 
 
-def train_step(model, opt, sched, step: int) -> None:
+def train_step(model, opt, sched, step: int, clip: float | None = None) -> None:
     """One step: on step 2 two micro-batches, the first inside no_sync (a plain optimizer
-    accumulates the same way)."""
+    accumulates the same way). ``clip``: plain torch's clipping, before its step."""
     opt.zero_grad()
     micros = 2 if step == 2 else 1
     for m in range(micros):
@@ -41,6 +42,8 @@ def train_step(model, opt, sched, step: int) -> None:
         ctx = opt.no_sync() if (m < micros - 1 and hasattr(opt, "no_sync")) else _nothing()
         with ctx:
             loss_fn(model(x, use_extra=step % 3 == 0), y).backward()
+    if clip is not None:
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], clip)
     opt.step()
     if sched is not None:
         sched.step()
@@ -54,14 +57,18 @@ class _nothing:
         return False
 
 
-def plain(kind: str, steps: range, model=None, opt=None, sched=None):
-    """Plain torch, no geompi: the reference."""
-    if model is None:
-        model = make_model(0)
-        opt, sched = make_optimizer(model, kind)
+def plain(kind: str, steps: range, clip: bool = True):
+    """Plain torch, no geompi: the reference (the "clip" case clipped, unless not ``clip``)."""
+    model = make_model(0)
+    opt, sched = make_optimizer(model, kind)
     for step in steps:
-        train_step(model, opt, sched, step)
+        train_step(model, opt, sched, step, MAX_NORM if kind == "clip" and clip else None)
     return model, opt
+
+
+def distributed(opt, model, sync: str, kind: str):
+    norm = MAX_NORM if kind == "clip" else None
+    return geompi.DistributedOptimizer(opt, model, sync=sync, max_grad_norm=norm)
 
 
 def differences(model_a, opt_a, model_b, opt_b) -> list[str]:
@@ -106,7 +113,7 @@ def full(out: Path) -> dict:
         model = make_model(0)
         ref_model, ref_opt = plain(kind, range(STEPS))
         opt, sched = make_optimizer(model, kind)
-        dopt = geompi.DistributedOptimizer(opt, model, sync=sync)
+        dopt = distributed(opt, model, sync, kind)
         res[f"{name}_same_object"] = dopt is opt and isinstance(dopt, type(ref_opt))
         for step in range(STEPS):
             train_step(model, dopt, sched, step)
@@ -117,6 +124,8 @@ def full(out: Path) -> dict:
                 )  # fmt: skip
                 res[f"{name}_written"] = written is not None
         res[f"{name}_diff"] = differences(model, dopt, ref_model, ref_opt)
+        if kind == "clip":  # the clipping was active: unclipped, the run differs
+            res["clip_active"] = bool(differences(model, dopt, *plain(kind, range(STEPS), False)))
         res[f"{name}_syncs"] = dopt.global_syncs
         res[f"{name}_failures"] = dopt.failures
     report = dopt.close()
@@ -130,7 +139,7 @@ def resume(out: Path) -> dict:
         name = f"{kind}_{sync}"
         model = make_model(1)  # other initial values: the file must bring them
         opt, sched = make_optimizer(model, kind)
-        dopt = geompi.DistributedOptimizer(opt, model, sync=sync)
+        dopt = distributed(opt, model, sync, kind)
         state: dict = {"sched": sched}
         info = geompi.load(out / f"{name}.h5", model=model, optimizer=dopt, state=state)
         left = info["state"]  # what state= did not name
