@@ -108,6 +108,10 @@ def init(comm=None, **settings) -> None:
     ``GEOMPI_WAN_LATENCY``, ``GEOMPI_LAN_BANDWIDTH``, ``GEOMPI_WAN_COMPRESSION``,
     ``GEOMPI_LAN_REDUCE``). Any other keyword is refused in one line.
 
+    In a world of one process (``python script.py``, no mpirun) that names no topology, it
+    prints one line and the script trains locally: one worker, no server, and the
+    DistributedOptimizer's ``step()`` is the optimizer's own.
+
     Args:
         comm (mpi4py.MPI.Comm): the communicator of the job (default ``MPI.COMM_WORLD``).
 
@@ -171,7 +175,9 @@ def dc() -> int:
     from geompi import session
 
     s = session.worker_session()
-    return s.topo.dc_of(s.rank)
+    dc = s.topo.dc_of(s.rank)
+    assert dc is not None  # a worker's
+    return dc
 
 
 def num_dcs() -> int:

@@ -55,7 +55,7 @@ def all_reduce(tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
     except ConfigError as e:
         err = e
     session.fail_together(s, err)
-    comm = s.comms.all_workers
+    comm = s.worker_comm
     mine = f"{tuple(tensor.shape)} {tensor.dtype} op={op}"
     everyone = comm.allgather(mine)
     if len(set(everyone)) > 1:
@@ -83,7 +83,7 @@ def broadcast_object(obj: Any = None, root: int = 0) -> Any:
     from geompi.comm.transport import barrier_before_collective
 
     s = _session()
-    comm = s.comms.all_workers
+    comm = s.worker_comm
     if not (isinstance(root, int) and 0 <= root < comm.Get_size()):
         from geompi import session
 

@@ -20,7 +20,7 @@ import contextlib
 import time
 import weakref
 from collections.abc import Callable, Iterator
-from typing import cast
+from typing import TYPE_CHECKING, NoReturn, cast
 
 import torch
 
@@ -45,6 +45,9 @@ from geompi.ps.protocol import (
     presence_payload,
 )
 from geompi.sync import FSA, HFA, Algorithm, MixedSync, resolve
+
+if TYPE_CHECKING:
+    from geompi.sync.hfa import Cadence
 
 # Every this many rounds a worker looks through the whole model for a trainable parameter its
 # hooks miss (one added after the DistributedOptimizer was built); walking the modules every
@@ -112,18 +115,22 @@ def DistributedOptimizer(  # noqa: N802 - a factory named like the class it retu
     with callwatch.call("DistributedOptimizer"):
         session.agree(s, err, "DistributedOptimizer", settings)
         try:  # its checks (the key count) come before its first collective call
-            engine = Synchronizer(
-                optimizer,
-                model,
-                resolve(sync),
-                s,
-                bucket_mb=bucket_mb,
-                max_grad_norm=max_grad_norm,
-                passes=backward_passes_per_step,
-                server_spec=server_spec,
-                wan=wan,
-                lan_reduce=lan_reduce,
-            )
+            engine: Synchronizer | LocalEngine
+            if s.topo.serverless:  # a world of one process: the user's own step
+                engine = LocalEngine(optimizer, model, resolve(sync), s, max_grad_norm)
+            else:
+                engine = Synchronizer(
+                    optimizer,
+                    model,
+                    resolve(sync),
+                    s,
+                    bucket_mb=bucket_mb,
+                    max_grad_norm=max_grad_norm,
+                    passes=backward_passes_per_step,
+                    server_spec=server_spec,
+                    wan=wan,
+                    lan_reduce=lan_reduce,
+                )
         except GeompiError as e:  # the same on every worker: the settings agree
             session.exit_identically(s, e)
         wrap(optimizer, engine)
@@ -152,16 +159,17 @@ def _call_settings(optimizer, model, sync, bucket_mb, max_grad_norm, passes, wan
     }
 
 
-def wrap(optimizer: torch.optim.Optimizer, engine: Synchronizer) -> GeompiOptimizer:
+def wrap(optimizer: torch.optim.Optimizer, engine: Synchronizer | LocalEngine) -> GeompiOptimizer:
     """Swap ``optimizer``'s class in place for one whose ``step()`` runs through ``engine``
     (DistributedOptimizer's; the CLI's loop calls the engine itself)."""
     base = type(optimizer)
-    optimizer._geompi_base = base  # what server_spec reads after the class swap
     optimizer.__class__ = type(f"Distributed{base.__name__}", (GeompiOptimizer, base), {})
-    optimizer._patch_step_function()  # torch's step hooks and profiling follow the new class
-    _rewrap_scheduler_step(optimizer)
-    optimizer._geompi = engine
-    return cast(GeompiOptimizer, optimizer)  # its class swapped
+    wrapped = cast(GeompiOptimizer, optimizer)  # its class swapped
+    wrapped._geompi_base = base  # what server_spec reads after the class swap
+    wrapped._patch_step_function()  # torch's step hooks and profiling follow the new class
+    _rewrap_scheduler_step(wrapped)
+    wrapped._geompi = engine
+    return wrapped
 
 
 def _validate(optimizer, model, sync, s, bucket_mb, max_grad_norm, passes, wan) -> dict | None:
@@ -237,8 +245,9 @@ def _rewrap_scheduler_step(optimizer: torch.optim.Optimizer) -> None:
         opt._opt_called = True  # what the scheduler's own wrapper records
         return type(opt).step(opt, *args, **kwargs)
 
-    step._wrapped_by_lr_sched = True  # the scheduler then sees its wrapper in place
-    optimizer.step = step
+    # the scheduler then sees its wrapper in place (torch's lr_scheduler marks its own so)
+    step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]  # a function's attribute
+    optimizer.step = step  # type: ignore[method-assign]  # an instance's, as the scheduler's
 
 
 class GeompiOptimizer(torch.optim.Optimizer):
@@ -246,7 +255,8 @@ class GeompiOptimizer(torch.optim.Optimizer):
     with this mixed in before its own (so torch's methods are there, and these).
     Never built directly."""
 
-    _geompi: Synchronizer
+    _geompi: Synchronizer | LocalEngine
+    _geompi_base: type[torch.optim.Optimizer]  # the user's class, before the swap
 
     @property
     def _step_supports_amp_scaling(self) -> bool:
@@ -255,11 +265,9 @@ class GeompiOptimizer(torch.optim.Optimizer):
         gradients during backward."""
         return self._geompi.server_side
 
-    def step(self, closure: Callable[[], float] | None = None):  # type: ignore[override]
+    def step(self, closure: Callable[[], float] | None = None):
         """One training step of the chosen algorithm (the same call on every worker)."""
-        engine = self._geompi
-        engine.client.step = engine.steps  # HFA's rounds say which step they average
-        return engine.step(closure, super().step)  # type: ignore[misc]
+        return self._geompi.user_step(closure, super().step)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -316,10 +324,10 @@ class GeompiOptimizer(torch.optim.Optimizer):
         collective over the workers, and every worker gets the same dict."""
         from geompi.state import OUTER_KEY, UPDATES_KEY
 
-        sd = super().state_dict()  # type: ignore[misc]
+        sd = super().state_dict()
         engine = self._geompi
-        if not engine.holds_server_state:
-            return sd
+        if not isinstance(engine, Synchronizer) or not engine.holds_server_state:
+            return sd  # (a LocalEngine holds nothing elsewhere)
         held = engine.server_state("state_dict()")
         names = engine.param_names()
         if engine.server_side:
@@ -345,7 +353,7 @@ class GeompiOptimizer(torch.optim.Optimizer):
             held, sd = split_held(engine, state_dict)
         except GeompiError as e:  # the same on every worker
             engine._stop(e)
-        super().load_state_dict(sd)  # type: ignore[misc]
+        super().load_state_dict(sd)
         if held is not None:
             engine.restore(held, "load_state_dict()")
 
@@ -495,7 +503,7 @@ class Synchronizer:
         self.passes_done = 0
         self.in_backward = False
         self.window_closes = False
-        self.reqs = None
+        self.reqs: Requests | None = None
         self.synced = False
         self.steps = 0
         self.dc_rounds = 0
@@ -504,11 +512,11 @@ class Synchronizer:
         self.steps_at_global = 0  # HFA: the step of the last global average
         self.exact_at = 0  # HFA: the step of the last forced (uncompressed) global average
         # HFA(adaptive=True): which averages go global (geompi.sync.hfa.Cadence)
-        self.cadence = None
-        if algo.local_steps and algo.adaptive:
+        self.cadence: Cadence | None = None
+        if algo.local_steps and cast(HFA, algo).adaptive:
             from geompi.sync.hfa import Cadence
 
-            self.cadence = Cadence(algo, session.comms.all_workers)
+            self.cadence = Cadence(cast(HFA, algo), session.comms.all_workers)
         self.global_syncs = 0
         # the next datacenter average goes global, every key (the CLI's checkpoint rounds
         # under adaptive cadence or streaming)
@@ -704,7 +712,7 @@ class Synchronizer:
         residual is not the servers' model). Nothing if the last global average was already
         such a round. Streaming ends on its last datacenter round (the CLI forces that one
         global: ``force_global_average``), unless ``streaming``: then every fragment now."""
-        algo = self.algo
+        algo = cast(HFA, self.algo)  # read only where it steps locally
         if not algo.local_steps or self.steps == self.exact_at:
             return
         if algo.streaming and not streaming:
@@ -727,7 +735,8 @@ class Synchronizer:
         average that was uncompressed, or under a lossless codec; streaming: a forced one)."""
         if not self.algo.local_steps or self.steps == self.exact_at:
             return True
-        return not (self.algo.streaming or self.lossy_wan) and self.steps == self.steps_at_global
+        streaming = cast(HFA, self.algo).streaming
+        return not (streaming or self.lossy_wan) and self.steps == self.steps_at_global
 
     def param_names(self) -> list[str]:
         """The model's name of each parameter the optimizer holds, in torch's index order."""
@@ -841,6 +850,7 @@ class Synchronizer:
         """Copy ``p``'s gradient, times this worker's weight, into its bucket, and mark it
         present; returns the bucket."""
         bucket, slot, present = self.slots[id(p)]
+        assert p.grad is not None  # a post-accumulate-grad hook's parameter has one
         torch.mul(p.grad.reshape(-1), self.weight, out=slot)
         present.fill_(1.0)
         return bucket
@@ -855,7 +865,7 @@ class Synchronizer:
             raise err
         self._round_lost = err
 
-    def _stop(self, err: GeompiError) -> None:
+    def _stop(self, err: GeompiError) -> NoReturn:
         """An error every worker meets at the same point: one line from the master, all stop."""
         from geompi import session
 
@@ -916,7 +926,7 @@ class Synchronizer:
         if not (self.spec_sender and self.server_side and self.follow_hyperparameters):
             return None
         now = self.algo.server_spec(self.opt)
-        if now == self.sent_spec:
+        if now is None or now == self.sent_spec:
             return None
         import json
 
@@ -929,6 +939,7 @@ class Synchronizer:
             b = self.buckets.buckets[self.issued]
             if complete_only and self.ready[b.key] < self.trainable[b.key]:
                 return
+            assert self.reqs is not None  # _begin_round posted the round
             self.client.push(self.reqs, b.grads)
             self.issued += 1
 
@@ -941,7 +952,7 @@ class Synchronizer:
             self.steps += 1
             self.hfa_samples += int(self._weight())
             self.samples, self.passes_done, self.explicit_samples = 0, 0, None
-            self.average_due = self.steps % self.algo.k1 == 0
+            self.average_due = self.steps % cast(HFA, self.algo).k1 == 0
 
     @torch.no_grad()
     def _finish_round(self) -> None:
@@ -958,30 +969,32 @@ class Synchronizer:
     def _exchange(self) -> None:
         """Push what backward has not pushed yet and wait for the round's results."""
         self._issue(complete_only=False)  # parameters without a gradient here push zeros
+        reqs = self.reqs
+        assert reqs is not None  # _begin_round posted the round
         fsa = self.grads_to_workers
         if fsa:
             self.aux_send[0] = self.weight
             self.aux_send[1 : 1 + len(self.params)].copy_(self.present_g[0])
             self._pack_buffers(self._buffer_slice(self.aux_send), self.weight)
-            self.client.push(self.reqs, self.aux_send)
+            self.client.push(reqs, self.aux_send)
             self._pull_pause()
             # fresh tensors: a .grad the user kept from the last step (a view) keeps its values
             self.results = [torch.empty_like(t) for t in self.results]
             for out in self.results:
-                self.client.pull(self.reqs, out)
-            self.client.pull(self.reqs, self.aux_recv)
+                self.client.pull(reqs, out)
+            self.client.pull(reqs, self.aux_recv)
         else:  # the servers stepped: the new parameters land in the model
             if self.aux_len:
                 self._pack_buffers(self.aux_send, self.weight)
-                self.client.push(self.reqs, self.aux_send)
-            self.client.push(self.reqs, presence_payload(self.present_g.view(-1)))
+                self.client.push(reqs, self.aux_send)
+            self.client.push(reqs, presence_payload(self.present_g.view(-1)))
             self._pull_pause()
             for b in self.buckets:
-                self.client.pull(self.reqs, b.params)
+                self.client.pull(reqs, b.params)
             if self.aux_len:
-                self.client.pull(self.reqs, self.aux_recv)
-            self.client.pull(self.reqs, self.present_out)
-        self.client.wait(self.reqs)
+                self.client.pull(reqs, self.aux_recv)
+            self.client.pull(reqs, self.present_out)
+        self.client.wait(reqs)
         if faults.watching():
             self._keep_results()
 
@@ -1031,21 +1044,13 @@ class Synchronizer:
         self._finish_round()
 
     # ---- the step -------------------------------------------------------------------------
+    def user_step(self, closure, local_step):
+        """``opt.step()`` of a DistributedOptimizer (the CLI's loop calls :meth:`step`)."""
+        self.client.step = self.steps  # HFA's rounds say which step they average
+        return self.step(closure, local_step)
+
     def step(self, closure, local_step):
-        if self.closed:
-            self._stop(
-                ConfigError(
-                    "this DistributedOptimizer was closed (geompi.finish(), or a newer one was "
-                    "built): build a new one to train on"
-                )
-            )
-        if closure is not None:
-            self._stop(
-                ConfigError(
-                    "DistributedOptimizer.step(closure) is not supported: call backward, then "
-                    "step()"
-                )
-            )
+        check_step(self, closure)
         if self.server_side and getattr(self.opt, "found_inf", None) is not None:
             where = "MixedSync" if self.algo.independent_dcs else 'FSA(optimizer="servers")'
             self._stop(
@@ -1072,7 +1077,7 @@ class Synchronizer:
     def _finite(self) -> bool:
         """Whether the global gradient is finite; on NaN/Inf apply ``on_nonfinite`` (every
         worker sees the same sum, so all decide alike)."""
-        if all(all_finite(g.grad) for g in self._with_grad()):
+        if all(all_finite(p.grad) for p in self.params if p.grad is not None):
             return True
         if self.s.cfg.on_nonfinite == "skip":
             self.skipped += 1
@@ -1100,13 +1105,7 @@ class Synchronizer:
 
     def force_global_average(self) -> None:
         """The next datacenter average goes global, every key (HFA only)."""
-        if not self.algo.local_steps:
-            self._stop(
-                ConfigError(
-                    f"force_global_average() is for HFA: under {self.algo.name} every round "
-                    "already reaches the global servers"
-                )
-            )
+        check_force_global(self)
         self.global_next = True
 
     def average_globally(self) -> None:
@@ -1120,7 +1119,7 @@ class Synchronizer:
         weighted by its samples since the last average, or if none by that average's.
         ``flush`` (with ``final``, no step since the last global average): it only delivers
         what a lossy codec held back, with no outer step."""
-        algo = self.algo
+        algo = cast(HFA, self.algo)  # HFA's settings: only it averages
         self.average_due = False
         uniform = algo.weighting == "uniform"
         samples = float(self.hfa_samples or (self.round_samples or 1.0 if final else 0))
@@ -1375,3 +1374,116 @@ class Synchronizer:
         self.steps += int(mine[0]) - step
         self.client.round_id = int(mine[1])
         return int(mine[0])
+
+
+def check_step(engine: Synchronizer | LocalEngine, closure) -> None:
+    """What ``step()`` refuses, under mpirun and in one process alike (one line, all stop)."""
+    if engine.closed:
+        engine._stop(
+            ConfigError(
+                "this DistributedOptimizer was closed (geompi.finish(), or a newer one was "
+                "built): build a new one to train on"
+            )
+        )
+    if closure is not None:
+        engine._stop(
+            ConfigError(
+                "DistributedOptimizer.step(closure) is not supported: call backward, then step()"
+            )
+        )
+
+
+def check_force_global(engine: Synchronizer | LocalEngine) -> None:
+    """``force_global_average()`` is HFA's, in one process too (a script that calls it under
+    another algorithm would fail under mpirun)."""
+    if not engine.algo.local_steps:
+        engine._stop(
+            ConfigError(
+                f"force_global_average() is for HFA: under {engine.algo.name} every round "
+                "already reaches the global servers"
+            )
+        )
+
+
+class LocalEngine:
+    """The engine of a world of one process (``python script.py``, no mpirun): no servers, so
+    ``step()`` is the user's optimizer's own, on the local gradients (clipped to
+    ``max_grad_norm`` where given), as one FSA worker's would be. The algorithm's settings were
+    checked as under mpirun; there is nothing to synchronize (HFA's averages of one model, its
+    outer optimizer, MixedSync's server-side step: none run). ``geompi.save``/``load`` write and
+    read the same file as one worker would."""
+
+    server_side = False  # the user's step runs here: a GradScaler unscales as usual
+    holds_server_state = False  # nothing held elsewhere: state_dict() is torch's own
+    lossy_wan = False  # no WAN codec
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        model: torch.nn.Module,
+        algo: Algorithm,
+        session,
+        max_grad_norm: float | None,
+    ) -> None:
+        self.opt, self.model, self.algo, self.s = optimizer, model, algo, session
+        self.max_grad_norm = max_grad_norm
+        self.params = list(model.parameters())
+        self.stats = LinkStats()  # stays at zero: the report says no byte moved
+        self.t_start = time.perf_counter()
+        self.report: dict | None = None
+        self.no_sync_depth = 0  # no_sync(): nothing is sent anyway
+        self.explicit_samples: int | None = None
+        self.steps = 0
+        self.global_syncs = 0
+        self.failures: list[dict] = []
+        self.closed = False
+
+    def start(self) -> None:
+        """As a worker's: a DistributedOptimizer still open is closed first."""
+        self.s.send_job({**self.algo.job(), "wan": {}}, self.opt)
+        self.t_start = time.perf_counter()
+
+    def user_step(self, closure, local_step):
+        check_step(self, closure)
+        if self.max_grad_norm is not None:
+            grads = [p for p in self.params if p.grad is not None]
+            torch.nn.utils.clip_grad_norm_(grads, self.max_grad_norm)
+        self.steps += 1
+        return local_step()
+
+    def synchronize(self) -> None:
+        """Nothing to exchange."""
+
+    def force_global_average(self) -> None:
+        check_force_global(self)
+
+    def end_on_global(self, streaming: bool = False) -> None:
+        """The one model is the global model."""
+
+    def state(self) -> dict:
+        return {"global_syncs": self.global_syncs}
+
+    def load_state(self, state: dict) -> None:
+        self.global_syncs = int(state.get("global_syncs", 0))
+
+    def restore(self, held: dict | None, what: str, new_model: bool = False) -> None:
+        """After ``geompi.load``: no other worker or server to tell."""
+        if self.closed:
+            self._stop(ConfigError(f"{what} after this DistributedOptimizer was closed"))
+
+    def close(self, report: bool = True) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if not report:
+            return
+        from geompi.session import gather_report
+
+        wall = time.perf_counter() - self.t_start
+        mine = {"role": "WORKER", **self.stats.as_dict(), "wall_s": wall}
+        self.report = gather_report(self.s, mine)
+
+    def _stop(self, err: GeompiError) -> NoReturn:
+        from geompi import session
+
+        session.stop_identically(self.s, err)

@@ -145,9 +145,18 @@ def abort(err: BaseException, code: int = 1) -> None:
     # line a head start, so that it is not lost or printed after Open MPI's abort banner.
     time.sleep(_LET_LINE_OUT_S)
     try:
-        world().Abort(code)
+        if not _alone():  # one process has no other rank to end (and no MPI_Abort banner)
+            world().Abort(code)
     finally:
         os._exit(code)
+
+
+def _alone() -> bool:
+    """Whether the world is one process (``python script.py``, no mpirun)."""
+    try:
+        return world().Get_size() == 1
+    except Exception:  # noqa: BLE001 - no MPI: nothing else to end either
+        return True
 
 
 def _rank() -> int:
@@ -178,6 +187,9 @@ def install_excepthook() -> None:
             # itself raises what matters; aborting here killed runs that would have gone on.
             if not _is_h5py_dealloc(tb):
                 sys.__excepthook__(typ, value, tb)
+            return
+        if _alone():  # one process: no rank left waiting; Python's own traceback, exit 1
+            sys.__excepthook__(typ, value, tb)
             return
         abort(value)
 
@@ -398,11 +410,18 @@ class StopRequest:
 
 
 # ---- start-up: the topology of the world and a worker's device (CLI, API and KVStore) ----
-def plan_topology(cfg, comm):
-    """The topology for this world. ``--dc-map nodes`` asks every rank for its host (collective)."""
-    from geompi.comm.topology import Topology, dc_sizes_from_hosts
-    from geompi.errors import ConfigError
+def plan_topology(cfg, comm, alone: bool = False):
+    """The topology for this world. ``--dc-map nodes`` asks every rank for its host (collective).
 
+    ``alone`` (``geompi.init``): a world of one process that names no datacenters or servers
+    trains locally (:meth:`Topology.alone`), as DDP does in a world of one.
+    """
+    from geompi.comm.topology import Topology, dc_sizes_from_hosts
+    from geompi.errors import ConfigError, TopologyError
+
+    named = (cfg.dcs, cfg.dc_sizes, cfg.global_servers)
+    if alone and comm.Get_size() == 1 and cfg.dc_map != "nodes" and named == (None,) * 3:
+        return Topology.alone()
     sizes = cfg.dc_sizes
     if cfg.dc_map == "nodes":
         import socket
@@ -411,7 +430,15 @@ def plan_topology(cfg, comm):
         sizes = tuple(dc_sizes_from_hosts(hosts, cfg.global_servers or 1))
         if cfg.dc_sizes is not None or cfg.dcs is not None:
             raise ConfigError("--dc-map nodes derives the datacenters: drop --dcs/--dc-sizes")
-    topo = Topology.plan(comm.Get_size(), cfg.dcs, sizes, cfg.global_servers)
+    try:
+        topo = Topology.plan(comm.Get_size(), cfg.dcs, sizes, cfg.global_servers)
+    except TopologyError as e:
+        if alone and comm.Get_size() == 1:  # what init() would do without them
+            raise TopologyError(
+                f"{e} (or set none of dcs, dc_sizes, global_servers, dc_map to train locally "
+                "in one process)"
+            ) from None
+        raise
     cfg.check_topology(topo.num_dcs)
     return topo
 

@@ -13,7 +13,7 @@ import hashlib
 import json
 import sys
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
@@ -24,7 +24,9 @@ from geompi.comm.transport import LinkStats
 from geompi.config import RunConfig, make_config
 from geompi.errors import ConfigError, GeompiError, ProtocolError
 
-if TYPE_CHECKING:  # pragma: no cover
+if TYPE_CHECKING:  # mpi4py's stubs; importing it at run time would start MPI
+    from mpi4py.MPI import Intracomm
+
     from geompi.runtime import StopRequest
 
 # Settings of ``init()`` that come from RunConfig (keywords override GEOMPI_* variables).
@@ -54,7 +56,9 @@ class Session:
     stats: LinkStats
     rank: int
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    optimizer: object | None = None  # the DistributedOptimizer the servers now serve
+    # the DistributedOptimizer the servers now serve (a geompi.optimizer.GeompiOptimizer: Any,
+    # since that module imports this one)
+    optimizer: Any = None
     local_rank: int = 0  # this worker's index among the workers on its node
     finished: bool = False
     stop: StopRequest | None = None  # geompi.stop_requested()'s agreement
@@ -68,7 +72,15 @@ class Session:
     def is_worker(self) -> bool:
         return self.role is Role.WORKER
 
-    def send_job(self, job: dict, optimizer: object | None) -> None:
+    @property
+    def worker_comm(self) -> Intracomm:
+        """Every worker of the job (``comms.all_workers``: a worker's, never None on one)."""
+        comm = self.comms.all_workers
+        if comm is None:  # pragma: no cover - servers stay inside init()
+            raise ConfigError("this rank is a server: code after geompi.init() runs on workers")
+        return comm
+
+    def send_job(self, job: dict, optimizer: Any) -> None:
         """Master worker: tell every server what to serve next (collective over COMM_WORLD).
 
         A DistributedOptimizer still being served is closed first, so one job can train with
@@ -98,7 +110,9 @@ def worker_session() -> Session:
     return s
 
 
-def start(settings, comm=None, *, plan=None, again: str | None = None) -> Session:
+def start(
+    settings, comm=None, *, plan=None, again: str | None = None, alone: bool = False
+) -> Session:
     """The one start-up of a job, for the CLI, ``geompi.init()`` and the KVStore (collective).
 
     ``settings()`` returns the validated RunConfig (run inside the topology's planning, so a
@@ -107,29 +121,35 @@ def start(settings, comm=None, *, plan=None, again: str | None = None) -> Sessio
     takes its share of the CPUs, the heartbeat starts (with ``comm_timeout``), and under
     ``on_failure="continue"`` the fault watch (``again``: how to run again, in its message).
     A worker's session knows its device and its index among the workers of its node.
+    ``alone``: a world of one process that names no topology trains locally (no servers, no
+    peer to watch: geompi.init()'s one-process mode).
     """
     from geompi.layout import check_node_gpus
     from geompi.runtime import exit_together, plan_topology, start_job, worker_device
     from geompi.threads import configure_threads
 
-    plan = plan or plan_topology
-    cfg = None
+    cfg: RunConfig | None = None
 
     def planned(c) -> Topology:
         nonlocal cfg
         cfg = settings()
         cfg.wan_settings()  # GEOMPI_WAN_* variables: checked before any collective call
-        return plan(cfg, c)
+        if plan is not None:
+            return plan(cfg, c)
+        return plan_topology(cfg, c, alone=alone)
 
     try:
         comm, topo, comms, stats = start_job(planned, comm)
-        configure_threads(comm)  # one share of the node's CPUs per rank (geompi.threads)
+        # one share of the node's CPUs per rank (geompi.threads); one process: one line only
+        configure_threads(comm, quiet=topo.serverless)
     except GeompiError as e:  # pragma: no cover - start_job reports and exits itself
         exit_together(e, 0)
+    assert cfg is not None  # planned() made it, or start_job ended the process
     check_node_gpus(cfg.dc_map, topo, comm)  # --dc-map nodes: one warning if workers != GPUs
-    heartbeat.start(comm, cfg.comm_timeout)  # so the watchdog can tell idle from lost
-    if cfg.on_failure == "continue":  # waits raise PeerLost instead of failing (ULFM)
-        faults.watch(comm, again)
+    if not topo.serverless:  # one process: no peer to watch, nothing to serve
+        heartbeat.start(comm, cfg.comm_timeout)  # so the watchdog can tell idle from lost
+        if cfg.on_failure == "continue":  # waits raise PeerLost instead of failing (ULFM)
+            faults.watch(comm, again)
     s = Session(cfg, topo, comms, stats, comm.Get_rank())
     if s.is_worker:
         s.device = worker_device(comms.workers)
@@ -159,10 +179,11 @@ def init(comm=None, **settings) -> Session:
             )
         return make_config(**settings).validate()
 
-    _session = start(config, comm)
+    _session = start(config, comm, alone=True)  # one process: trains locally
     if _session.is_worker:
         atexit.register(_finish_at_exit)
-        if _session.cfg.on_failure != "continue":  # a recovery replaces the workers' communicator
+        alone = _session.topo.serverless
+        if _session.cfg.on_failure != "continue" and not alone:  # a recovery replaces it
             callwatch.start(_session.comms.all_workers, _rounds_begun, _report_mismatch)
         return _session
     serve_until_finished(_session)
@@ -296,7 +317,7 @@ def _stop_heartbeat(s: Session) -> None:
     heartbeat.stop()
 
 
-def exit_identically(s: Session, err: GeompiError) -> None:
+def exit_identically(s: Session, err: GeompiError) -> NoReturn:
     """An error every worker raised alike (bad arguments): the master prints it and aborts
     the job with status 2, servers included (they serve inside ``geompi.init``, and under a
     plain ``mpirun python script.py`` workers that exit leave them waiting for ever)."""
@@ -305,7 +326,7 @@ def exit_identically(s: Session, err: GeompiError) -> None:
     s.finished = True  # no collective goodbye at exit
     if s.rank == 0:
         abort(err, code=2)
-    s.comms.all_workers.Barrier()  # never completes: the master's abort ends this process
+    s.worker_comm.Barrier()  # never completes: the master's abort ends this process
     raise err  # pragma: no cover
 
 
@@ -317,7 +338,7 @@ def agree(s: Session, err: GeompiError | None, what: str, settings: object = Non
     text = None if err is None else str(err)
     mine = json.dumps(settings, sort_keys=True, default=repr)
     digest = hashlib.sha256(mine.encode()).hexdigest()
-    rows = s.comms.all_workers.allgather([text, digest])
+    rows = s.worker_comm.allgather([text, digest])
     failed = [(w, t) for w, (t, _) in enumerate(rows) if t]
     if failed:
         w, text = failed[0]
@@ -326,7 +347,7 @@ def agree(s: Session, err: GeompiError | None, what: str, settings: object = Non
         exit_identically(s, ConfigError(problem))
     if len({d for _, d in rows}) == 1:
         return
-    everyone = [json.loads(d) for d in s.comms.all_workers.allgather(mine)]
+    everyone = [json.loads(d) for d in s.worker_comm.allgather(mine)]
     exit_identically(s, ConfigError(_first_difference(what, everyone)))
 
 
@@ -356,7 +377,7 @@ def _brief(value: object) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def stop_identically(s: Session, err: GeompiError) -> None:
+def stop_identically(s: Session, err: GeompiError) -> NoReturn:
     """An error every worker hits alike during training: the master prints one line and aborts
     the job; the other workers wait to be ended by that abort."""
     from geompi.runtime import abort
@@ -364,7 +385,7 @@ def stop_identically(s: Session, err: GeompiError) -> None:
     s.finished = True
     if s.rank == 0:
         abort(err)
-    s.comms.all_workers.Barrier()  # never completes: the master's abort ends this process
+    s.worker_comm.Barrier()  # never completes: the master's abort ends this process
     raise err  # pragma: no cover
 
 
@@ -373,7 +394,7 @@ def fail_together(s: Session, err: GeompiError | None) -> None:
     rank of the job stops (the servers too)."""
     from geompi.runtime import abort
 
-    msgs = s.comms.all_workers.allgather(None if err is None else str(err))
+    msgs = s.worker_comm.allgather(None if err is None else str(err))
     failed = [m for m in msgs if m]
     if not failed:
         return
@@ -381,7 +402,7 @@ def fail_together(s: Session, err: GeompiError | None) -> None:
     if s.rank == 0:
         more = f" (and on {len(failed) - 1} more worker(s))" if len(failed) > 1 else ""
         abort(GeompiError(failed[0] + more))
-    s.comms.all_workers.Barrier()  # the master's abort ends this process
+    s.worker_comm.Barrier()  # the master's abort ends this process
 
 
 def _finish_at_exit() -> None:

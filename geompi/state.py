@@ -123,7 +123,7 @@ def _gather_local(optimizer, engine, model) -> list[dict] | None:
                 mine.setdefault(key, {})[names[idx]] = value.detach().cpu().clone()
             elif isinstance(value, (int, float)) and not isinstance(value, bool):
                 mine.setdefault(key, {})[names[idx]] = torch.tensor(value, dtype=torch.float64)
-    comm = engine.s.comms.all_workers
+    comm = engine.s.worker_comm
     barrier_before_collective(comm, engine.s.cfg.comm_timeout, "every worker in geompi.save")
     return comm.gather(mine, root=0)
 
@@ -146,7 +146,7 @@ def _gather_state(mine, s) -> list | None:
         return [mine]
     from geompi.comm.transport import barrier_before_collective
 
-    comm = s.comms.all_workers
+    comm = s.worker_comm
     barrier_before_collective(comm, s.cfg.comm_timeout, "every worker in geompi.save(state=)")
     return comm.gather(mine, root=0)
 
@@ -155,7 +155,9 @@ def _write(
     path, model, optimizer, sd, local, engine, step, epoch, metrics, s, users=None
 ) -> pathlib.Path:
     names = param_names(model, optimizer)
-    state, attrs, algorithm = {}, {"name": "none"}, {}
+    state: dict[str, Any] = {}
+    attrs: dict[str, Any] = {"name": "none"}
+    algorithm: dict[str, Any] = {}
     if optimizer is not None:
         sd = dict(sd)
         outer = sd.pop(OUTER_KEY, None)

@@ -76,13 +76,14 @@ def choose(
     return threads, why
 
 
-def configure_threads(comm=None, env: Mapping[str, str] | None = None) -> int:
+def configure_threads(comm=None, env: Mapping[str, str] | None = None, quiet: bool = False) -> int:
     """Set torch's intra-op threads for this rank and return the number.
 
     Collective over ``comm`` (default COMM_WORLD): the ranks of each node (MPI's shared-memory
     split) compare affinity masks. Rank 0 prints one line, e.g. ``geompi: torch threads per
     rank: 1 (2 CPU(s) shared by 16 rank(s) on this node; set GEOMPI_THREADS to change)``. A bad
-    GEOMPI_THREADS/OMP_NUM_THREADS is one error line and exit 2 on every rank.
+    GEOMPI_THREADS/OMP_NUM_THREADS is one error line and exit 2 on every rank. ``quiet``: no
+    line (a world of one process prints its own).
     """
     import torch
     from mpi4py import MPI
@@ -103,6 +104,6 @@ def configure_threads(comm=None, env: Mapping[str, str] | None = None) -> int:
     except ConfigError as e:  # the same variables on every rank of a job
         exit_together(e, rank, comm)
     torch.set_num_threads(threads)
-    if rank == 0:
+    if rank == 0 and not quiet:
         say(f"geompi: torch threads per rank: {threads} ({why}; set GEOMPI_THREADS to change)")
     return threads

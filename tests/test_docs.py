@@ -76,7 +76,7 @@ def test_the_readme_rank_arithmetic_is_the_planners() -> None:
 def test_ci_runs_lint_docs_and_tests_in_that_order() -> None:
     run = (REPO / ".ci" / "run").read_text()
     steps = re.findall(r"^make (\S+)$", run, re.M)
-    assert steps == ["lint", "docs", "test"], steps
+    assert steps == ["lint", "typecheck", "docs", "test"], steps
     make = (REPO / "Makefile").read_text()
     assert re.search(r"^docs: setup\n\t.*mkdocs build --strict$", make, re.M)
     assert re.search(r'^test-fast: setup\n\t.*-m "not mpi and not slurm" tests$', make, re.M)

@@ -14,8 +14,12 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from geompi.errors import TopologyError
+
+if TYPE_CHECKING:  # mpi4py's stubs; importing it at run time would start MPI
+    from mpi4py.MPI import Intracomm
 
 
 class Role(enum.Enum):
@@ -101,6 +105,17 @@ class Topology:
                 )
         return cls(world_size, tuple(sizes), g)
 
+    @classmethod
+    def alone(cls) -> Topology:
+        """A world of one process (``python script.py``, no mpirun): one worker and no server;
+        it trains locally (only ``geompi.init`` plans it, never the CLI or the KVStore)."""
+        return cls(1, (1,), 0)
+
+    @property
+    def serverless(self) -> bool:
+        """Whether this is :meth:`alone`'s world: its one datacenter has no local server."""
+        return self.num_global_servers == 0
+
     # ---- derived layout -------------------------------------------------------------------
     @property
     def num_dcs(self) -> int:
@@ -113,7 +128,7 @@ class Topology:
     def workers(self, dc: int) -> list[int]:
         """World ranks of the workers of datacenter ``dc``."""
         start = self.dc_start(dc)
-        return list(range(start, start + self.dc_sizes[dc] - 1))
+        return list(range(start, start + self.dc_sizes[dc] - (0 if self.serverless else 1)))
 
     def local_server(self, dc: int) -> int:
         """World rank of the local server of datacenter ``dc``."""
@@ -126,17 +141,20 @@ class Topology:
 
     @property
     def num_workers(self) -> int:
-        return sum(self.dc_sizes) - self.num_dcs
+        return sum(self.dc_sizes) - (0 if self.serverless else self.num_dcs)
 
     @property
     def all_workers(self) -> list[int]:
         return [r for d in range(self.num_dcs) for r in self.workers(d)]
 
     def role(self, rank: int) -> Role:
+        if self.serverless:
+            return Role.WORKER
         if rank >= sum(self.dc_sizes):
             return Role.GLOBAL_SERVER
         dc = self.dc_of(rank)
-        return Role.LOCAL_SERVER if rank == self.local_server(dc) else Role.WORKER
+        is_server = dc is not None and rank == self.local_server(dc)
+        return Role.LOCAL_SERVER if is_server else Role.WORKER
 
     def dc_of(self, rank: int) -> int | None:
         """The datacenter of a worker or local server; None for a global server."""
@@ -166,7 +184,9 @@ class Topology:
         }
 
     def table(self) -> str:
-        """The human-readable table rank 0 prints at start."""
+        """The human-readable table rank 0 prints at start (one line for a world of one)."""
+        if self.serverless:
+            return "geompi: one process, no servers: training locally"
         lines = [
             f"geompi topology: {self.world_size} ranks = {self.num_global_servers} global "
             f"server(s) + {self.num_dcs} datacenter(s), {self.num_workers} workers",
@@ -206,11 +226,11 @@ def dc_sizes_from_hosts(hosts: Sequence[str], num_global_servers: int) -> list[i
 class Communicators:
     """The communicators of one rank. Absent ones are None."""
 
-    world: object
-    dc: object | None  # local server (rank 0 in it) + the workers of this datacenter
-    glob: object | None  # local servers (ranks 0..D-1) + global servers (ranks D..D+G-1)
-    workers: object | None  # the workers of this datacenter only
-    all_workers: object | None  # every worker of the job (control messages only)
+    world: Intracomm
+    dc: Intracomm | None  # local server (rank 0 in it) + the workers of this datacenter
+    glob: Intracomm | None  # local servers (ranks 0..D-1) + global servers (ranks D..D+G-1)
+    workers: Intracomm | None  # the workers of this datacenter only
+    all_workers: Intracomm | None  # every worker of the job (control messages only)
 
     def free(self) -> None:
         for c in (self.dc, self.glob, self.workers, self.all_workers):
@@ -236,8 +256,8 @@ def build_communicators(topo: Topology, world) -> Communicators:
     rank = world.Get_rank()
     role = topo.role(rank)
     dc = topo.dc_of(rank)
-    # dc_comm: the local server first, then the workers in rank order.
-    if role is Role.GLOBAL_SERVER:
+    # dc_comm: the local server first, then the workers in rank order (none: no local server).
+    if dc is None or topo.serverless:  # a global server, or the one process
         dc_comm = world.Split(MPI.UNDEFINED, 0)
     else:
         key = 0 if role is Role.LOCAL_SERVER else 1 + topo.workers(dc).index(rank)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -72,7 +72,7 @@ def _sync_tier(common: dict) -> dict:
     return {k: v for k, v in common.items() if k != "max_staleness"}
 
 
-def servers_optimizer(cfg, params) -> tuple[torch.optim.Optimizer, dict]:
+def servers_optimizer(cfg, params) -> tuple[ServerHeld, dict]:
     """The CLI with the optimizer on the global servers: the flags' spec (which may be
     DCASGD, which torch lacks) goes to the servers; the workers hold only a stand-in."""
     spec = make_spec(
@@ -104,7 +104,7 @@ def spec_message(optimizer: torch.optim.Optimizer, who: str) -> dict:
     """What the global servers are told of a user's optimizer: its first param group's spec,
     and with several groups every group's (each parameter's group travels in the layout)."""
     specs = [group_spec(optimizer, g, who) for g in optimizer.param_groups]
-    out = {"optimizer": spec_to_dict(specs[0])}
+    out: dict[str, Any] = {"optimizer": spec_to_dict(specs[0])}
     if len(specs) > 1:
         out["groups"] = [spec_to_dict(s) for s in specs]
     return out
@@ -158,7 +158,7 @@ def group_spec(optimizer: torch.optim.Optimizer, g: dict, who: str) -> Spec:
     cls = AdamW if kind is torch.optim.AdamW else Adam
     return cls(
         lr=float(g["lr"]),
-        betas=tuple(float(b) for b in g["betas"]),
+        betas=(float(g["betas"][0]), float(g["betas"][1])),
         eps=float(g["eps"]),
         weight_decay=float(g["weight_decay"]),
         maximize=bool(g.get("maximize", False)),

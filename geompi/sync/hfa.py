@@ -135,7 +135,7 @@ class HFA(Algorithm):
         spec = make_spec(
             cfg.optimizer, cfg.effective_lr, cfg.effective_momentum, cfg.weight_decay, cfg.nesterov
         )
-        return torch_optimizer(spec, params), self.server_spec(None)
+        return torch_optimizer(spec, params), {"outer": self.outer()}  # server_spec's
 
     def make_server(self, topo, comms, stats, **common):
         from geompi.ps.servers import build_server  # MPI loads with the servers, not before
