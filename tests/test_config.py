@@ -423,7 +423,8 @@ def test_help_lists_choices_and_defaults():
         "or your own: FACTORY(data_dir) returns (x_train, y_train, x_test, y_test[, "
         "num_classes]) tensors or arrays (default digits)",
         "--optimizer": "{sgd,adam,adamw,dcasgd} (default sgd)",
-        "--sync": "{fsa,mixed,hfa} algorithm (default fsa)",
+        "--sync": "{fsa,mixed,hfa}|MODULE:CLASS algorithm, or pkg.module:Class for one of "
+        "your own (default fsa)",
         "--on-nonfinite": "{abort,skip} on a NaN/Inf gradient (default abort)",
         "--keep": "KEEP checkpoints to keep (default 3)",
         "--batch-size": "BATCH_SIZE per worker (default 16)",
