@@ -13,6 +13,7 @@ import re
 import pytest
 import torch
 
+from geompi import ckpt
 from tests.mpirun import REPO, error_lines, mpirun, prog
 from tests.progs.api_common import batch
 
@@ -182,3 +183,37 @@ def test_a_bad_sync_path_is_one_line_from_one_rank(spec, words):
     lines = error_lines(res.stderr)
     assert res.returncode == 2, res.stderr[-2000:]
     assert len(lines) == 1 and words in lines[0], lines
+
+
+def _identical(a, b) -> bool:
+    ca, cb = ckpt.load(a), ckpt.load(b)
+    ta = {**ca.model, **{f"hfa/{k}/{n}": t for k, d in ca.algorithm["hfa"].items()
+                         if k.startswith("outer_") for n, t in d.items()}}  # fmt: skip
+    tb = {**cb.model, **{f"hfa/{k}/{n}": t for k, d in cb.algorithm["hfa"].items()
+                         if k.startswith("outer_") for n, t in d.items()}}  # fmt: skip
+    return ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
+
+
+def test_the_cli_outer_adam_resumes_exactly_and_refuses_another_outer_optimizer(tmp_path):
+    """--outer-optimizer adam: the checkpoint holds the servers' moments and step, a resume
+    from step 4 ends bitwise where the run in one go ends; resuming it with another outer
+    optimizer is one line, before any training."""
+    base = ["-m", "geompi.train", "--model", "mlp", "--batch-size", "12"]
+    base += ["--progress-every", "1e9", "--sync", "hfa", "--k1", "2", "--k2", "2"]
+    base += ["--dc-sizes", "3,2", "--global-servers", "2", "--outer-lr", "0.01"]
+    base += ["--steps", "8", "--checkpoint-every", "4"]
+    adam = [*base, "--outer-optimizer", "adam"]
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    mpirun(7, [*adam, "--checkpoint-dir", str(full)], timeout=240)
+    four, eight = full / ckpt.checkpoint_name(4), ckpt.checkpoint_name(8)
+    mpirun(7, [*adam, "--checkpoint-dir", str(resumed), "--resume", str(four)], timeout=240)
+    hfa = ckpt.load(full / eight).algorithm["hfa"]
+    assert {"outer_exp_avg", "outer_exp_avg_sq", "outer_step"} <= set(hfa)
+    assert all(float(t) == 2.0 for t in hfa["outer_step"].values())  # two global averages
+    assert _identical(resumed / eight, full / eight)
+    assert not _identical(full / eight, four)
+    other = [*base, "--outer-optimizer", "nesterov", "--checkpoint-dir", str(tmp_path / "x")]
+    res = mpirun(7, [*other, "--resume", str(four)], timeout=120, check=False)
+    lines = error_lines(res.stderr)
+    assert res.returncode != 0 and len(lines) == 1, res.stderr[-3000:]
+    assert "outer optimizer's outer_exp_avg" in lines[0] and "nesterov" in lines[0], lines
