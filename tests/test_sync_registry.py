@@ -117,3 +117,21 @@ def test_register_refuses_what_is_not_an_algorithm_and_a_taken_name():
 
     with pytest.raises(ConfigError, match="register the class first"):
         sync.resolve(Unregistered())
+
+
+@pytest.mark.parametrize(
+    "flags, outer, stateful",
+    [
+        ({}, {"name": "sgd", "lr": 1.0}, False),  # the plain average: no state on the servers
+        ({"outer_optimizer": "nesterov", "outer_lr": 0.7}, {"name": "nesterov", "lr": 0.7}, True),
+        (
+            {"outer_optimizer": "sgd", "outer_momentum": 0.5},
+            {"name": "sgd", "lr": 1.0, "momentum": 0.5},
+            True,
+        ),
+        ({"outer_optimizer": "adamw", "outer_lr": 0.01}, {"name": "adamw", "lr": 0.01}, True),
+    ],
+)
+def test_the_cli_outer_flags_make_hfa_outer_optimizer(flags, outer, stateful):
+    algo = make_config(env={}, sync="hfa", **flags).validate().algorithm
+    assert algo.outer() == outer and algo.outer_stateful is stateful
