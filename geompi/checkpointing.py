@@ -5,7 +5,9 @@ What goes where in the file:
 - ``/model``: the global model, assembled from the global servers' shards.
 - ``/optimizer/<state>/<param>``: the global servers' optimizer state (scalars such as Adam's
   ``step`` are stored per parameter as 0-d tensors).
-- ``/algorithm``: ``dcasgd/backup/dc<d>/<param>``, ``hfa/outer_momentum/<param>``, HFA's
+- ``/algorithm``: ``dcasgd/backup/dc<d>/<param>``, ``hfa/outer_<state>/<param>`` (the outer
+  optimizer's: ``outer_momentum``, or Adam's ``outer_exp_avg``, ``outer_exp_avg_sq``,
+  ``outer_step``), HFA's
   counters and each worker's local optimizer state (``hfa/local/worker<i>/<state>/<param>``).
 - ``/algorithm@global_updates``: the global servers' update counter.
 - ``/progress``: per-worker data positions (``data_positions``: epoch, position), steps
@@ -43,6 +45,7 @@ from geompi.errors import (
     CheckpointWriteError,
     ConfigError,
 )
+from geompi.ps.optim import OUTER_STATE
 from geompi.ps.protocol import TAG_RESTORE, TAG_SNAPSHOT, Op
 from geompi.runtime import say
 from geompi.session import fail_together
@@ -94,7 +97,7 @@ def checkpoint_bytes(model: torch.nn.Module, cfg, num_workers: int, num_dcs: int
     if cfg.optimizer == "dcasgd":
         copies += num_dcs
     if local:
-        copies += 1  # the outer momentum
+        copies += 2  # the outer optimizer's state (Adam's two moments)
     datasets = len(tensors) * (1 + copies)
     rng = torch.get_rng_state().numel() * num_workers
     return int(1.05 * nbytes * copies) + 1024 * datasets + rng + 256 * 1024
@@ -253,9 +256,7 @@ def check_resumable(
     for dc, named in group(dcasgd.get("backup", {}), "/algorithm/dcasgd/backup").items():
         for name, t in group(named, f"/algorithm/dcasgd/backup/{dc}").items():
             _check_tensor(bad, f"DCASGD backup {dc}/{name}", name, t, shapes, scalar=False)
-    outer = group(hfa.get("outer_momentum", {}), "/algorithm/hfa/outer_momentum")
-    for name, t in outer.items():
-        _check_tensor(bad, f"HFA outer momentum {name}", name, t, shapes, scalar=False)
+    _check_outer(bad, group, cfg, hfa, shapes)
 
     # /progress: one (epoch, position) row, step and RNG state per worker of the old run.
     pr = ck.progress
@@ -310,6 +311,32 @@ def _shape_of(t) -> str:
     if isinstance(t, torch.Tensor):
         return f"a {t.dtype} tensor of shape {tuple(t.shape)}"
     return "missing" if t is None else type(t).__name__
+
+
+def _check_outer(bad, group, cfg, hfa: dict, shapes) -> None:
+    """HFA's outer optimizer state: whole tensors per parameter (Adam's step 0-d), of the
+    states this run's outer optimizer keeps."""
+    have = {n for n in OUTER_STATE.values() if n in hfa}
+    for state_name in sorted(have):
+        named = group(hfa[state_name], f"/algorithm/hfa/{state_name}")
+        for name, t in named.items():
+            scalar = state_name == "outer_step"
+            _check_tensor(bad, f"HFA {state_name} {name}", name, t, shapes, scalar=scalar)
+            if scalar and t.dim() != 0:
+                bad(f"HFA {state_name} {name} is {_shape_of(t)}, not one number")
+    algo = cfg.algorithm
+    if have and hasattr(algo, "outer"):
+        from geompi.ps.optim import outer_state_names
+
+        want = outer_state_names(algo.outer())
+        if have != want:
+            bad(
+                f"it holds an outer optimizer's {', '.join(sorted(have))} but this run's "
+                f"--outer-optimizer {algo.outer_optimizer} keeps "
+                f"{', '.join(sorted(want)) or 'none'}",
+                "resume with the checkpoint's --outer-optimizer (and momentum), or start a new "
+                "--checkpoint-dir",
+            )
 
 
 def _check_tensor(bad, what: str, name: str, t, shapes, scalar: bool = True) -> None:
@@ -643,13 +670,14 @@ class Checkpointing:
                 backups[f"dc{m.group(1)}"] = named
             else:
                 optimizer[state_name] = named
-        outer = {
-            k: torch.cat([s["outer"][k]["outer_momentum"] for s in snaps])
-            for k in keys
-            if all("outer_momentum" in s["outer"].get(k, {}) for s in snaps)
-        }
-        if outer:
-            algorithm["hfa"] = {"outer_momentum": self._by_name(outer)}
+        for state_name in sorted({n for s in snaps for st in s["outer"].values() for n in st}):
+            outer = {}  # HFA's outer optimizer: its state over each key, per shard
+            for k in keys:
+                parts = [s["outer"].get(k, {}).get(state_name) for s in snaps]
+                if all(p is not None for p in parts):  # a 0-d step: the same on every shard
+                    outer[k] = parts[0] if parts[0].dim() == 0 else torch.cat(parts)
+            if outer:
+                algorithm.setdefault("hfa", {})[state_name] = self._by_name(outer)
         return model, optimizer, algorithm
 
     def _join_pieces(self, key: int, parts: list[dict], into: dict[str, list]) -> None:
@@ -820,7 +848,7 @@ class Checkpointing:
         if not (
             optimizer
             or algorithm.get("dcasgd")
-            or algorithm.get("hfa", {}).get("outer_momentum")
+            or any(n in algorithm.get("hfa", {}) for n in OUTER_STATE.values())
             or algorithm.get("global_updates")
         ):
             return None
@@ -830,7 +858,8 @@ class Checkpointing:
             # holds: the saved backups predate it. Datacenters new to this topology get it too.
             for dc in range(self.w.topo.num_dcs):
                 per_state[f"backup_dc{dc}"] = model
-        outer = algorithm.get("hfa", {}).get("outer_momentum", {})
+        hfa = algorithm.get("hfa", {})
+        outer = {n: hfa[n] for n in OUTER_STATE.values() if n in hfa}
         topo = self.w.topo
         out = []
         for g in range(topo.num_global_servers):
@@ -842,9 +871,10 @@ class Checkpointing:
                     t = self._shard_state(b, named, lo, hi)
                     if t is not None:
                         state[b.key][state_name] = t
-                t = self._flat(b, outer)
-                if t is not None:
-                    outer_g[b.key]["outer_momentum"] = t[lo:hi].clone()
+                for state_name, named in outer.items():
+                    t = self._flat(b, named)
+                    if t is not None:
+                        outer_g[b.key][state_name] = (t[lo:hi] if t.dim() else t).clone()
             out.append(
                 {
                     "state": dict(state),

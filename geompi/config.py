@@ -44,6 +44,7 @@ ONLY_FOR = {
     "hfa_reset_optimizer": "hfa",
     "outer_optimizer": "hfa",
     "outer_lr": "hfa",
+    "outer_momentum": "hfa",
     "hfa_mix": "hfa",
     "max_staleness": "mixed",
 }
@@ -83,6 +84,7 @@ class RunConfig:
     hfa_reset_optimizer: bool = False
     outer_optimizer: str = "sgd"
     outer_lr: float = 1.0
+    outer_momentum: float | None = None  # sgd: 0, nesterov: 0.9
     hfa_fragments: int = 1
     hfa_overlap: bool = False
     hfa_mix: float = 1.0
@@ -168,8 +170,7 @@ class RunConfig:
         from geompi.models import MODELS, TEST_MODELS
         from geompi.ps.optim import OPTIMIZERS
 
-        if self.sync not in SYNCS:
-            raise ConfigError(f"unknown --sync {self.sync!r}: choose one of {', '.join(SYNCS)}")
+        self._check_sync()
         for flag, value, names in (
             ("--model", self.model, MODELS),
             ("--dataset", self.dataset, DATASETS),
@@ -204,7 +205,7 @@ class RunConfig:
         if self.outer_lr > MAX_LR:
             raise ConfigError(f"--outer-lr {self.outer_lr:g}: must be at most {MAX_LR:g}")
         self._check_bounds()
-        if self.sync == "hfa":  # its flags: the other algorithms take none of them
+        if self.family == "hfa":  # its flags: the other algorithms take none of them
             from geompi.sync.hfa import check_streaming
 
             check_streaming(self.hfa_fragments, self.hfa_overlap, self.hfa_mix, self.k2)
@@ -233,10 +234,7 @@ class RunConfig:
             raise ConfigError(
                 f"unknown --hfa-weighting {self.hfa_weighting!r}: choose samples or uniform"
             )
-        if self.outer_optimizer not in ("sgd", "nesterov"):
-            raise ConfigError(
-                f"unknown --outer-optimizer {self.outer_optimizer!r}: choose sgd or nesterov"
-            )
+        self._check_outer()
         if self.on_nonfinite not in ON_NONFINITE:
             raise ConfigError(f"unknown --on-nonfinite {self.on_nonfinite!r}: choose abort or skip")
         self._check_on_failure()
@@ -301,7 +299,7 @@ class RunConfig:
             if isinstance(v, int) and v > MAX_STEPS:
                 src = self.sources.get(name, "--" + name)
                 raise ConfigError(f"{src} {v}: must be at most {MAX_STEPS:.0e} steps")
-        if self.sync == "hfa" and self.k1 * self.k2 > MAX_STEPS:
+        if self.family == "hfa" and self.k1 * self.k2 > MAX_STEPS:
             raise ConfigError(
                 f"--k1 {self.k1} x --k2 {self.k2} = {self.k1 * self.k2} steps between global "
                 f"averages: must be at most {MAX_STEPS:.0e}"
@@ -315,11 +313,50 @@ class RunConfig:
                 "milliseconds): under it every healthy peer would be taken for lost"
             )
 
+    @property
+    def family(self) -> str:
+        """The built-in algorithm whose flags ``--sync`` takes (``hfa`` for an HFA variant
+        named ``pkg.module:Class``)."""
+        from geompi import sync
+
+        return sync.family(self.sync)
+
+    def _check_sync(self) -> None:
+        """``--sync``: a name, or ``pkg.module:Class`` imported (and registered) here, on every
+        rank before any collective, so a bad path is one line at start-up."""
+        from geompi import sync
+
+        if not isinstance(self.sync, str):
+            raise ConfigError(f"--sync {self.sync!r}: give a name or pkg.module:Class")
+        sync.lookup(self.sync)
+
+    def _check_outer(self) -> None:
+        """``--outer-optimizer`` and ``--outer-momentum``, in the flags' words."""
+        from geompi.ps.optim import OUTER_OPTIMIZERS
+
+        if self.outer_optimizer not in OUTER_OPTIMIZERS:
+            raise ConfigError(
+                f"unknown --outer-optimizer {self.outer_optimizer!r}: choose one of "
+                f"{', '.join(OUTER_OPTIMIZERS)}"
+            )
+        m = self.outer_momentum
+        if m is None:
+            return
+        if not (math.isfinite(m) and 0 <= m < 1):
+            raise ConfigError(f"--outer-momentum {m}: must be a number in [0, 1)")
+        if self.outer_optimizer not in ("sgd", "nesterov"):
+            raise ConfigError(
+                f"--outer-momentum is for --outer-optimizer sgd or nesterov, not "
+                f"{self.outer_optimizer}: drop it (Adam's betas are its own)"
+            )
+        if m == 0 and self.outer_optimizer == "nesterov":
+            raise ConfigError("--outer-optimizer nesterov with --outer-momentum 0: give it > 0")
+
     def _check_algorithm_flags(self) -> None:
         """Flags given on the command line that the chosen --sync does not read."""
         for name, sync in ONLY_FOR.items():
             src = self.sources.get(name, "")
-            if src.startswith("--") and self.sync != sync:
+            if src.startswith("--") and self.family != sync:
                 raise ConfigError(
                     f"{src} is for --sync {sync}, not --sync {self.sync}: drop {src} or pass "
                     f"--sync {sync}"
@@ -459,7 +496,11 @@ def build_parser() -> argparse.ArgumentParser:
         "set the same values; a flag wins. GEOMPI_THREADS sets torch threads per rank.",
     )
     a = p.add_argument_group("algorithm")
-    a.add_argument("--sync", metavar=_one_of(SYNCS), help=f"algorithm (default {d.sync})")
+    a.add_argument(
+        "--sync",
+        metavar=_one_of(SYNCS) + "|MODULE:CLASS",
+        help=f"algorithm, or pkg.module:Class for one of your own (default {d.sync})",
+    )
     a.add_argument("--mixed-sync", action="store_true", help="GeoMX alias for --sync mixed")
     a.add_argument("--dcasgd", action="store_true", help="GeoMX alias for --optimizer dcasgd")
     a.add_argument(
@@ -483,8 +524,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     a.add_argument(
         "--outer-optimizer",
-        metavar="{sgd,nesterov}",
-        help=f"HFA global tier (default {d.outer_optimizer})",
+        metavar="{sgd,nesterov,adam,adamw}",
+        help="HFA: the global servers' outer optimizer, stepped on (global model - average "
+        f"of the datacenters) (default {d.outer_optimizer}: with lr 1, the plain average)",
+    )
+    a.add_argument(
+        "--outer-momentum",
+        type=_float,
+        help="HFA: the outer sgd/nesterov optimizer's momentum (default 0 for sgd, 0.9 for "
+        "nesterov)",
     )
     a.add_argument(
         "--outer-lr", type=_float, help=f"HFA outer learning rate (default {d.outer_lr:g})"

@@ -320,9 +320,11 @@ class GeompiOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """torch's ``state_dict()``, with the state the global servers hold: their optimizer's
         per-parameter state in torch's own format (FSA's servers placement, MixedSync), HFA's
-        outer momentum under ``"geompi_outer_momentum"`` (parameter index -> tensor). Then
+        outer optimizer's state under ``"geompi_outer_momentum"`` (Adam's: under
+        ``"geompi_outer_exp_avg"``, ``"geompi_outer_exp_avg_sq"``, ``"geompi_outer_step"``),
+        each parameter index -> tensor. Then
         collective over the workers, and every worker gets the same dict."""
-        from geompi.state import OUTER_KEY, UPDATES_KEY
+        from geompi.state import OUTER_KEYS, UPDATES_KEY
 
         sd = super().state_dict()
         engine = self._geompi
@@ -336,9 +338,11 @@ class GeompiOptimizer(torch.optim.Optimizer):
                 for i, name in enumerate(names):
                     if name in named:
                         sd["state"].setdefault(i, {})[state_name] = named[name]
-        outer = held["algorithm"].get("hfa", {}).get("outer_momentum", {})
-        if outer:
-            sd[OUTER_KEY] = {i: outer[n] for i, n in enumerate(names) if n in outer}
+        hfa = held["algorithm"].get("hfa", {})
+        for key, state_name in OUTER_KEYS.items():
+            outer = hfa.get(state_name, {})
+            if outer:
+                sd[key] = {i: outer[n] for i, n in enumerate(names) if n in outer}
         sd[UPDATES_KEY] = int(held["algorithm"].get("global_updates", 0))
         return sd
 
@@ -726,9 +730,8 @@ class Synchronizer:
     @property
     def holds_server_state(self) -> bool:
         """Whether this job's global servers hold optimizer state: their optimizer's (FSA's
-        servers placement, MixedSync) or an outer optimizer's momentum (HFA)."""
-        outer = getattr(self.algo, "outer_optimizer", "sgd") if self.algo.local_steps else "sgd"
-        return self.server_side or outer != "sgd"
+        servers placement, MixedSync) or an outer optimizer's (HFA's momentum or moments)."""
+        return self.server_side or bool(getattr(self.algo, "outer_stateful", False))
 
     def at_global_model(self) -> bool:
         """HFA: whether every worker holds the global servers' model now (after a global

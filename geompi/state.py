@@ -18,8 +18,12 @@ import torch
 from geompi import ckpt, user_state
 from geompi.errors import CheckpointError, ConfigError, GeompiError
 from geompi.optimizer_json import _GROUPS, _NONE, _NUMBERS, check_checkpoint, torch_state
+from geompi.ps.optim import OUTER_STATE
 
 OUTER_KEY = "geompi_outer_momentum"  # in state_dict(): HFA's outer momentum, by param index
+# In state_dict(): each state of HFA's outer optimizer (OUTER_KEY the momentum; Adam's
+# geompi_outer_exp_avg, geompi_outer_exp_avg_sq, geompi_outer_step), by param index.
+OUTER_KEYS = {f"geompi_{n}": n for n in OUTER_STATE.values()}
 UPDATES_KEY = "geompi_global_updates"  # in state_dict(): the global servers' update count
 _USER = "user_state"  # /progress/user_state/worker<i>: geompi.save(state=...)
 
@@ -160,12 +164,12 @@ def _write(
     algorithm: dict[str, Any] = {}
     if optimizer is not None:
         sd = dict(sd)
-        outer = sd.pop(OUTER_KEY, None)
+        outer = {n: v for k, n in OUTER_KEYS.items() if (v := sd.pop(k, None))}
         updates = sd.pop(UPDATES_KEY, None)
         state, attrs = _optimizer_tables(optimizer, sd, names)
-        if outer:
-            algorithm.setdefault("hfa", {})["outer_momentum"] = {
-                names[int(i)]: t for i, t in outer.items()
+        for state_name, by_index in outer.items():
+            algorithm.setdefault("hfa", {})[state_name] = {
+                names[int(i)]: t for i, t in by_index.items()
             }
         if updates is not None:
             algorithm["global_updates"] = int(updates)
@@ -285,8 +289,9 @@ def _restore(ck: ckpt.Checkpoint, model: torch.nn.Module, optimizer, engine, s) 
         me = f"worker{s.topo.worker_index(s.rank)}"
         if len(local) == s.topo.num_workers or me in local:
             sd["state"] = _indexed(local.get(me, {}), names, ck.path)
-    if hfa.get("outer_momentum"):
-        sd[OUTER_KEY] = _indexed({"m": hfa["outer_momentum"]}, names, ck.path, only="m")
+    for key, state_name in OUTER_KEYS.items():
+        if hfa.get(state_name):
+            sd[key] = _indexed({"m": hfa[state_name]}, names, ck.path, only="m")
     if "global_updates" in ck.algorithm:
         sd[UPDATES_KEY] = int(ck.algorithm["global_updates"])
     for now, saved in zip(optimizer.param_groups, sd["param_groups"]):
@@ -356,12 +361,12 @@ def split_held(engine, sd: dict) -> tuple[dict | None, dict]:
     """torch's state dict (with geompi's keys, see ``DistributedOptimizer.state_dict``) cut in
     two: what the global servers hold, by parameter name, and what the workers keep."""
     sd = dict(sd)
-    outer = sd.pop(OUTER_KEY, None)
+    outer = {n: v for k, n in OUTER_KEYS.items() if (v := sd.pop(k, None))}
     updates = sd.pop(UPDATES_KEY, None)
     if not engine.holds_server_state:
         if outer:
             raise ConfigError(
-                "the optimizer state holds an outer optimizer's momentum, but this HFA has "
+                "the optimizer state holds an outer optimizer's state, but this HFA's keeps "
                 "none: build it with the same outer_optimizer"
             )
         return None, sd
@@ -376,9 +381,9 @@ def split_held(engine, sd: dict) -> tuple[dict | None, dict]:
         if getattr(engine.algo, "dcasgd", False):  # every datacenter restarts from the model
             held["algorithm"]["dcasgd"] = {"backup": True}
             held["model"] = {n: p.detach().cpu() for n, p in engine.model.named_parameters()}
-    if outer:
-        outer_named = {names[int(i)]: torch.as_tensor(t) for i, t in outer.items()}
-        held["algorithm"]["hfa"] = {"outer_momentum": outer_named}
+    for state_name, by_index in outer.items():
+        named = {names[int(i)]: torch.as_tensor(t) for i, t in by_index.items()}
+        held["algorithm"].setdefault("hfa", {})[state_name] = named
     if updates is not None:
         held["algorithm"]["global_updates"] = int(updates)
     return held, sd

@@ -54,7 +54,11 @@ def test_resolve(sync, cls):
         (HFA(k1=0), "k1=0"),
         (HFA(k2=1.5), "k2=1.5"),
         (HFA(weighting="dc"), "weighting='dc'"),
-        (HFA(outer_optimizer="adam"), "outer_optimizer='adam'"),
+        (HFA(outer_optimizer="lamb"), "outer_optimizer='lamb'"),
+        (HFA(outer_optimizer=torch.optim.RMSprop), "outer_optimizer=<class"),
+        (HFA(outer_optimizer="adam", outer_kwargs={"momentum": 0.9}), "unknown setting momentum"),
+        (HFA(outer_optimizer="nesterov", outer_kwargs={"momentum": 0}), "Nesterov needs"),
+        (HFA(outer_optimizer="adam", outer_kwargs={"betas": (0.9, 1.5)}), "betas below 1"),
         (HFA(outer_lr=float("nan")), "outer_lr=nan"),
         (HFA(outer_lr="1"), "outer_lr='1'"),  # a string: one line, not a TypeError
         (HFA(fragments=2, mix=0.5), r"HFA\(mix\) 0.5 mixes an overlapped .* add HFA\(overlap\)"),

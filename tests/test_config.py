@@ -277,7 +277,14 @@ def test_dcasgd_with_hfa_is_rejected() -> None:
         (["--dc-slowdown", "1:0.5"], "--dc-slowdown 1:0.5"),
         (["--dc-slowdown", "1:nan"], "--dc-slowdown 1:nan"),
         (["--hfa-weighting", "size"], "--hfa-weighting"),
-        (["--outer-optimizer", "adam"], "--outer-optimizer"),
+        (["--outer-optimizer", "adam"], "--outer-optimizer is for --sync hfa"),
+        (["--sync", "hfa", "--outer-optimizer", "lamb"], "unknown --outer-optimizer 'lamb'"),
+        (["--sync", "hfa", "--outer-momentum", "1.5"], "--outer-momentum 1.5"),
+        (
+            ["--sync", "hfa", "--outer-optimizer", "adam", "--outer-momentum", "0.5"],
+            "--outer-momentum is for --outer-optimizer sgd or nesterov, not adam",
+        ),
+        (["--sync", "pkg:"], "--sync pkg:: write MODULE:CLASS"),
         (["--on-nonfinite", "ignore"], "--on-nonfinite"),
         (["--dc-map", "racks"], "--dc-map"),
         (["--max-staleness", "0"], "--max-staleness 0"),
@@ -424,7 +431,8 @@ def test_help_lists_choices_and_defaults():
         "or your own: FACTORY(data_dir) returns (x_train, y_train, x_test, y_test[, "
         "num_classes]) tensors or arrays (default digits)",
         "--optimizer": "{sgd,adam,adamw,dcasgd} (default sgd)",
-        "--sync": "{fsa,mixed,hfa} algorithm (default fsa)",
+        "--sync": "{fsa,mixed,hfa}|MODULE:CLASS algorithm, or pkg.module:Class for one of "
+        "your own (default fsa)",
         "--on-nonfinite": "{abort,skip} on a NaN/Inf gradient (default abort)",
         "--keep": "KEEP checkpoints to keep (default 3)",
         "--batch-size": "BATCH_SIZE per worker (default 16)",

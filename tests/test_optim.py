@@ -524,7 +524,8 @@ def test_outer_step_nesterov_default_momentum_and_lr() -> None:
     delta = v1 - 1.0
     buf = 0.9 * 2.0 + delta
     assert state["outer_momentum"].tolist() == [buf]
-    assert value.tolist() == [v1 - 0.7 * (delta + 0.9 * buf)]
+    # torch.optim.SGD's arithmetic (value + (-lr) * step in one operation): within a rounding
+    assert value.tolist() == pytest.approx([v1 - 0.7 * (delta + 0.9 * buf)], rel=1e-15)
 
 
 def test_outer_step_nesterov_differs_from_sgd_on_the_second_step() -> None:
@@ -679,3 +680,33 @@ def test_server_steps_do_not_import_torch_dynamo() -> None:
     assert res.returncode == 0, res.stderr
     # the check can fail: torch.optim itself does import it
     assert res.stdout.strip() == "torch.optim imports it: True", res.stdout
+
+
+@pytest.mark.parametrize(
+    "name, kwargs, cls, torch_kwargs",
+    [
+        ("sgd", {}, torch.optim.SGD, {}),
+        ("sgd", {"momentum": 0.5, "weight_decay": 0.01}, torch.optim.SGD, {}),
+        ("nesterov", {}, torch.optim.SGD, {"momentum": 0.9, "nesterov": True}),
+        ("adam", {}, torch.optim.Adam, {}),
+        ("adam", {"betas": (0.8, 0.99), "eps": 1e-6}, torch.optim.Adam, {}),
+        ("adamw", {"weight_decay": 0.1}, torch.optim.AdamW, {}),
+    ],
+)
+def test_outer_step_is_torch_optim_on_the_pseudo_gradient(name, kwargs, cls, torch_kwargs) -> None:
+    """Each outer optimizer of the allow-list is the torch.optim class stepped with
+    (value - average) as the gradient: bitwise, round after round, on one parameter."""
+    gen = torch.Generator().manual_seed(3)
+    value = torch.randn(37, generator=gen)
+    p = torch.nn.Parameter(value.clone())
+    opt = cls([p], lr=0.3, foreach=False, **kwargs, **torch_kwargs)
+    state: dict = {}
+    for _ in range(4):
+        average = value + 0.1 * torch.randn(37, generator=gen)
+        p.grad = p.detach() - average
+        opt.step()
+        outer_step(value, average, {"name": name, "lr": 0.3, **kwargs}, state)
+        assert torch.equal(value, p.detach())
+    torch_state = opt.state[p]
+    for k, v in torch_state.items():
+        assert torch.equal(state["outer_" + ("momentum" if k == "momentum_buffer" else k)], v)

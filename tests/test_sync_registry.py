@@ -39,8 +39,9 @@ def test_the_flags_name_the_algorithm_and_its_settings():
 
 
 def test_every_flag_choice_is_registered():
-    assert set(SYNCS) == set(sync.REGISTRY)
-    for name, cls in sync.REGISTRY.items():
+    builtin = {cls.name: cls for cls in sync.BUILTIN}  # a test may have registered its own
+    assert set(SYNCS) == set(builtin) and builtin.items() <= sync.REGISTRY.items()
+    for name, cls in builtin.items():
         assert cls.name == name and sync.resolve(name) == cls()
 
 
@@ -63,3 +64,74 @@ def test_no_module_outside_the_registry_dispatches_on_an_algorithm_name():
         if test.search(line)
     ]
     assert found == []
+
+
+def test_a_registered_algorithm_passes_resolve_and_travels_to_the_servers(monkeypatch):
+    """An algorithm from outside the package (examples/custom_algorithm.py): registered, it
+    passes resolve() and the CLI's --sync; a server that never imported it rebuilds it from
+    the import path its job carries."""
+    import json
+    import sys
+
+    from examples.custom_algorithm import ClippedHFA
+
+    algo = ClippedHFA(k1=2, k2=3, clip=0.5, outer_optimizer="adam", outer_lr=0.1)
+    assert sync.resolve(algo) is algo
+    assert sync.REGISTRY["clipped-hfa"] is ClippedHFA
+    cfg = make_config(env={}, sync="examples.custom_algorithm:ClippedHFA", k1=2, k2=3)
+    cfg.validate()
+    assert type(cfg.algorithm) is ClippedHFA and cfg.family == "hfa"
+    job = json.loads(json.dumps(algo.job()))
+    assert job["path"] == "examples.custom_algorithm:ClippedHFA"
+    monkeypatch.delitem(sync.REGISTRY, "clipped-hfa")  # a server rank that never imported it
+    monkeypatch.delitem(sys.modules, "examples.custom_algorithm")
+    rebuilt = sync.from_job(job)
+    assert type(rebuilt).__name__ == "ClippedHFA" and rebuilt.clip == 0.5
+    assert rebuilt.outer() == {"name": "adam", "lr": 0.1}
+
+
+def test_register_refuses_what_is_not_an_algorithm_and_a_taken_name():
+    from dataclasses import dataclass
+    from typing import ClassVar
+
+    with pytest.raises(ConfigError, match="pass a subclass of geompi.sync.Algorithm"):
+        sync.register(int)
+
+    @dataclass(frozen=True)
+    class Nameless(HFA):
+        pass
+
+    with pytest.raises(ConfigError, match="give the class its own name"):
+        sync.register(Nameless)
+
+    @dataclass(frozen=True)
+    class Impostor(HFA):
+        name: ClassVar[str] = "hfa"
+
+    with pytest.raises(ConfigError, match="the name 'hfa' is taken by geompi.sync.hfa:HFA"):
+        sync.register(Impostor)
+
+    @dataclass(frozen=True)
+    class Unregistered(HFA):
+        name: ClassVar[str] = "unregistered"
+
+    with pytest.raises(ConfigError, match="register the class first"):
+        sync.resolve(Unregistered())
+
+
+@pytest.mark.parametrize(
+    "flags, outer, stateful",
+    [
+        ({}, {"name": "sgd", "lr": 1.0}, False),  # the plain average: no state on the servers
+        ({"outer_optimizer": "nesterov", "outer_lr": 0.7}, {"name": "nesterov", "lr": 0.7}, True),
+        (
+            {"outer_optimizer": "sgd", "outer_momentum": 0.5},
+            {"name": "sgd", "lr": 1.0, "momentum": 0.5},
+            True,
+        ),
+        ({"outer_optimizer": "adamw", "outer_lr": 0.01}, {"name": "adamw", "lr": 0.01}, True),
+    ],
+)
+def test_the_cli_outer_flags_make_hfa_outer_optimizer(flags, outer, stateful):
+    algo = make_config(env={}, sync="hfa", **flags).validate().algorithm
+    assert algo.outer() == outer and algo.outer_stateful is stateful

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -79,6 +80,9 @@ class GlobalServer:
         self.optimizer: ServerOptimizer | None = None
         self.outer: dict | None = None
         self.outer_state: dict[int, dict[str, torch.Tensor]] = {}
+        # HFA's outer step on one key: (value, average, spec, state); the algorithm's own
+        # (``HFA.outer_rule``) where it sets one
+        self.outer_rule: Callable[..., None] = outer_step
         self.updates = 0
         self.pieces: dict[int, list[Piece]] = {}  # key -> its parameters in this shard
         self.presence_key: int | None = None
@@ -352,7 +356,8 @@ class GlobalServer:
             value.copy_(total.div_(weight))
         elif rnd.op is Op.AVG:
             self.updates += 1
-            outer_step(value, total.div_(weight), self.outer, self.outer_state.setdefault(key, {}))
+            state = self.outer_state.setdefault(key, {})
+            self.outer_rule(value, total.div_(weight), self.outer, state)
 
     def apply_mean(self, key: int, total: torch.Tensor, weight: float, dc=None) -> None:
         """A mean key (the workers' buffers times their weight): the sample-weighted mean of

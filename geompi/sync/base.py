@@ -1,9 +1,15 @@
-"""The interface every synchronization algorithm implements.
+"""The interface every synchronization algorithm implements: ``geompi.sync.Algorithm``.
 
 An algorithm is a small frozen dataclass of its settings. It says what its workers do (the
 worker-side engine, geompi.optimizer, reads the class attributes below) and builds the server
 each server rank plays (``make_server``, from the generic round engine in geompi.ps). Nothing
 else in geompi tests an algorithm's name: the registry (geompi.sync) maps names to classes.
+
+A new algorithm (docs/writing-an-algorithm.md) subclasses this class or one of the built-in
+ones, gives itself a ``name``, and is registered with ``geompi.sync.register``. Its settings
+are dataclass fields of JSON values: the master worker sends them to the servers (``job``),
+which rebuild the algorithm from them (``from_settings``) after importing its class from the
+path the job carries.
 """
 
 from __future__ import annotations
@@ -55,7 +61,12 @@ class Algorithm:
 
     def job(self) -> dict:
         """What the servers are told when the workers start this algorithm (JSON)."""
-        return {"sync": self.name, "settings": asdict(self)}
+        cls = type(self)  # the servers import a class from outside geompi from this path
+        return {
+            "sync": self.name,
+            "path": f"{cls.__module__}:{cls.__qualname__}",
+            "settings": asdict(self),
+        }
 
     @classmethod
     def from_settings(cls, settings: dict) -> Algorithm:

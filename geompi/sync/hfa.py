@@ -13,13 +13,20 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 
 from geompi.errors import ConfigError, positive_number
-from geompi.ps.optim import make_spec, torch_optimizer
+from geompi.ps.optim import (
+    OUTER_OPTIMIZERS,
+    make_spec,
+    outer_spec,
+    outer_state_names,
+    outer_step,
+    torch_optimizer,
+)
 from geompi.ps.protocol import MAX_KEYS
 from geompi.sync.base import Algorithm
 from geompi.sync.fsa import _sync_tier
@@ -38,8 +45,14 @@ class HFA(Algorithm):
     k1: int = 4  # the one default of K1 and K2: the CLI's and the Slurm script's too
     k2: int = K2_DEFAULT
     weighting: str = "samples"  # or "uniform": every datacenter the same (GeoMX's)
-    outer_optimizer: str = "sgd"  # or "nesterov" (DiLoCo's outer step)
+    # The global servers' outer optimizer (DiLoCo's outer step), stepped on their shards with
+    # (global model before the round - average of the datacenters) as its gradient: "sgd"
+    # (lr 1 and no momentum: the plain average), "nesterov", "adam" or "adamw", or one of the
+    # torch.optim classes SGD, Adam, AdamW; ``outer_kwargs``: its other settings (momentum,
+    # dampening, weight_decay for SGD; betas, eps, weight_decay for Adam/AdamW).
+    outer_optimizer: str = "sgd"
     outer_lr: float = 1.0
+    outer_kwargs: dict = field(default_factory=dict)
     reset_optimizer: bool = False  # clear the local optimizer state at every global average
     fragments: int = 1  # streaming: F fragments of the model, global on staggered rounds
     overlap: bool = False  # streaming: a fragment's global result merges one round later
@@ -69,8 +82,25 @@ class HFA(Algorithm):
     def streaming(self) -> bool:
         return self.fragments > 1 or self.overlap
 
+    def __post_init__(self) -> None:
+        # a torch.optim class of the allow-list stands for its name (the job is JSON)
+        names = {cls: n for n, (cls, _) in OUTER_OPTIMIZERS.items() if n != "nesterov"}
+        if isinstance(self.outer_optimizer, type) and self.outer_optimizer in names:
+            object.__setattr__(self, "outer_optimizer", names[self.outer_optimizer])
+        if isinstance(self.outer_kwargs, dict) and isinstance(
+            self.outer_kwargs.get("betas"), list
+        ):  # back from JSON
+            kw = {**self.outer_kwargs, "betas": tuple(self.outer_kwargs["betas"])}
+            object.__setattr__(self, "outer_kwargs", kw)
+
     def outer(self) -> dict:
-        return {"name": self.outer_optimizer, "lr": self.outer_lr}
+        """The outer optimizer's spec, as the global servers get it."""
+        return {"name": self.outer_optimizer, "lr": self.outer_lr, **self.outer_kwargs}
+
+    @property
+    def outer_stateful(self) -> bool:
+        """Whether the outer optimizer keeps state on the global servers (a checkpoint's)."""
+        return bool(outer_state_names(self.outer()))
 
     def validate(self) -> None:
         counts = [("k1", self.k1), ("k2", self.k2)]
@@ -81,12 +111,9 @@ class HFA(Algorithm):
                 raise ConfigError(f"HFA({what}={v!r}): must be a whole number >= 1")
         if self.weighting not in ("samples", "uniform"):
             raise ConfigError(f"HFA(weighting={self.weighting!r}): choose samples or uniform")
-        if self.outer_optimizer not in ("sgd", "nesterov"):
-            raise ConfigError(
-                f"HFA(outer_optimizer={self.outer_optimizer!r}): choose sgd or nesterov"
-            )
         if not positive_number(self.outer_lr):
             raise ConfigError(f"HFA(outer_lr={self.outer_lr!r}): must be a finite number > 0")
+        check_outer(self.outer_optimizer, self.outer_kwargs)
         check_streaming(self.fragments, self.overlap, self.mix, self.k2, "HFA(", ")")
         if self.adaptive:
             given = None if self.k2 == K2_DEFAULT else self.k2  # the default is clamped
@@ -117,6 +144,7 @@ class HFA(Algorithm):
             weighting=cfg.hfa_weighting,
             outer_optimizer=cfg.outer_optimizer,
             outer_lr=cfg.outer_lr,
+            outer_kwargs={} if cfg.outer_momentum is None else {"momentum": cfg.outer_momentum},
             reset_optimizer=cfg.hfa_reset_optimizer,
             fragments=cfg.hfa_fragments,
             overlap=cfg.hfa_overlap,
@@ -137,13 +165,59 @@ class HFA(Algorithm):
         )
         return torch_optimizer(spec, params), {"outer": self.outer()}  # server_spec's
 
+    def outer_rule(
+        self, value: torch.Tensor, average: torch.Tensor, spec: dict, state: dict
+    ) -> None:
+        """The global servers' step on one key of their shard at a global average: ``value``
+        (this shard's slice of the global model before the round) becomes the new global
+        model, in place; ``average``: the datacenters' average of the same slice; ``spec``:
+        ``self.outer()``; ``state``: this key's own, kept between rounds (checkpointed under
+        the names of torch's state: outer_momentum, outer_exp_avg, outer_exp_avg_sq,
+        outer_step). This one steps the outer optimizer; a subclass may write its own rule
+        (elementwise: each server holds one slice of every key)."""
+        outer_step(value, average, spec, state)
+
     def make_server(self, topo, comms, stats, **common):
+        from geompi.ps.global_server import GlobalServer
         from geompi.ps.servers import build_server  # MPI loads with the servers, not before
 
         streaming = {"fragments": self.fragments, "overlap": self.overlap, "mix": self.mix}
         # adaptive: every round brings the K2 the workers chose (Round.k2), never this one
         k2 = 2**31 if self.adaptive else self.k2
-        return build_server(topo, comms, stats, k2=k2, streaming=streaming, **_sync_tier(common))
+        server = build_server(topo, comms, stats, k2=k2, streaming=streaming, **_sync_tier(common))
+        if isinstance(server, GlobalServer):
+            server.outer_rule = self.outer_rule
+        return server
+
+
+def check_outer(name, kwargs) -> None:
+    """HFA's outer optimizer and its settings (the API's and the CLI's), in one line each."""
+    if not (isinstance(name, str) and name in OUTER_OPTIMIZERS):
+        raise ConfigError(
+            f"HFA(outer_optimizer={name!r}): choose one of {', '.join(OUTER_OPTIMIZERS)} "
+            "(or torch.optim.SGD, Adam, AdamW)"
+        )
+    if not isinstance(kwargs, dict):
+        raise ConfigError(f"HFA(outer_kwargs={kwargs!r}): pass a dict of settings")
+    for k, v in kwargs.items():
+        values = v if k == "betas" and isinstance(v, tuple | list) else [v]
+        ok = (k != "betas" or len(values) == 2) and all(
+            isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
+            for x in values
+        )
+        if not ok or (k in ("momentum", "betas", "dampening") and any(x >= 1 for x in values)):
+            raise ConfigError(
+                f"HFA(outer_kwargs={{{k!r}: {v!r}}}): must be finite and >= 0 (momentum, "
+                "dampening and betas below 1; betas a pair)"
+            )
+    spec = outer_spec({"name": name, **kwargs})  # unknown settings: one line
+    if getattr(spec, "nesterov", False) and (not spec.momentum or spec.dampening):
+        raise ConfigError(
+            f"HFA(outer_optimizer='nesterov', outer_kwargs={kwargs!r}): Nesterov needs a "
+            "momentum > 0 and no dampening"
+        )
+    if getattr(spec, "eps", 1.0) <= 0:
+        raise ConfigError(f"HFA(outer_kwargs={kwargs!r}): eps must be > 0")
 
 
 # Streaming HFA's most fragments: each is at least one key of the rounds (protocol.MAX_KEYS).
