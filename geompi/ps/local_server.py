@@ -8,6 +8,7 @@ import time
 from collections import deque
 from functools import partial
 
+import numpy as np
 import torch
 
 from geompi.comm import faults
@@ -15,7 +16,7 @@ from geompi.comm.buffers import BufferPool, all_finite
 from geompi.comm.linkmodel import Duplex, LinkModel
 from geompi.comm.poll import Backoff, spin_until
 from geompi.comm.topology import Communicators, Topology
-from geompi.comm.transport import LAN, WAN, Link, LinkStats, Requests, recv_buffer
+from geompi.comm.transport import LAN, WAN, Link, LinkStats, Requests, recv_buffer, wait_for
 from geompi.errors import NonFiniteError
 from geompi.ps.fragments import fragment_plan, is_global
 from geompi.ps.protocol import (
@@ -24,12 +25,14 @@ from geompi.ps.protocol import (
     FLAG_MEAN,
     FLAG_RAW,
     FLAG_SCATTER,
+    FLAG_STATS,
     FLAG_WEIGHT_FINAL,
     TAG_DATA,
     TAG_EXCHANGES,
     TAG_HEADER,
     TAG_RESULT,
     TAG_SPEC,
+    TAG_STATS,
     TAG_TRAILER,
     Op,
     Round,
@@ -403,7 +406,8 @@ class LocalServer:
         up_index = {i: u for u, i in enumerate(sorted(due))}
         started = None  # when the first key went up
         if due:
-            flags = rnd.flags & ~FLAG_SCATTER | (FLAG_GLOBAL if rnd.op is Op.AVG else 0)
+            flags = rnd.flags & ~(FLAG_SCATTER | FLAG_STATS)
+            flags |= FLAG_GLOBAL if rnd.op is Op.AVG else 0
             if forced:  # under a lossy codec: uncompressed, both ends' replicas reset
                 flags |= FLAG_EXACT
             if mean_position(rnd) not in due:  # the buffers' key stays here this round
@@ -490,6 +494,8 @@ class LocalServer:
         self._send_results(reqs, outs, ready, scattered_positions(rnd))
         if rnd.k2:  # after the results: this round's own exchange is timed by then
             self._tell_exchanges()
+        if rnd.flags & FLAG_STATS:
+            self._tell_stats()
         self._round_end = time.perf_counter()
         if rnd.op is Op.INIT:  # the time split covers training, not the start-up
             self.stats.reset_time()
@@ -534,6 +540,14 @@ class LocalServer:
         for j in range(len(self.workers)):
             self.lan.isend(reqs, told, 1 + j, TAG_EXCHANGES, control=True)
         reqs.wait()
+
+    def _tell_stats(self) -> None:
+        """FLAG_STATS (a geompi.Metrics on the workers): every worker gets this server's WAN
+        counters, sent and received so far. Telemetry: not counted in the LAN bytes, so a
+        run's byte figures are the same with or without metrics."""
+        told = np.array([self.stats.sent[WAN], self.stats.received[WAN]], dtype=np.float64)
+        reqs = [self.lan.comm.Isend(told, 1 + j, TAG_STATS) for j in range(len(self.workers))]
+        wait_for(reqs, self.timeout, f"the workers of datacenter {self.dc} (their counters)")
 
     def _merge_pending(self, key: int, average: torch.Tensor) -> None:
         """Streaming HFA with overlap: the global result of this key's previous round arrives
