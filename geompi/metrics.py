@@ -61,7 +61,7 @@ FIELDS: dict[str, dict[str, tuple[bool, str]]] = {
     },
     "eval": {
         "step": (True, "the step evaluated"),
-        "wall_s": (True, "rank 0's seconds since training began"),
+        "wall_s": (True, "rank 0's seconds since training began (the API: since Metrics)"),
         "test_acc": (False, "the CLI: rank 0's accuracy on the test set"),
         "test_loss": (False, "the CLI: rank 0's loss on the test set"),
         "*": (False, "the API: the names and numbers the caller passed"),
@@ -170,7 +170,8 @@ class MetricsLog:
         )
         f, self._f = self._f, None
         with contextlib.suppress(OSError):
-            f.close()
+            if f is not None:
+                f.close()
 
     def close(self) -> None:
         if self._f is not None:
@@ -228,9 +229,10 @@ def _to_tensorboard(tb: Any, record: dict) -> None:
                 tb.add_scalar(f"summary/{k}", record[k], step)
         tb.flush()
         return
-    step = record.get("step")
-    if step is None:
+    at: Any = record.get("step")
+    if at is None:
         return
+    step = int(at)
     if kind == "k2" or record.get("event") == "k2":  # --adaptive-sync chose another K2
         tb.add_scalar("hfa/k2", record["new_k2"], step)
     for k, tag in _STEP_SCALARS.items():
@@ -387,9 +389,11 @@ class Metrics:
         self._t0 = self._last_line = time.perf_counter()
         self._first: tuple[int, float] | None = None  # the first step seen, and when
         self._samples = 0
+        # After a lost rank, survivors may each redo a different number of steps before the
+        # one the loss met: records start again from it, as geompi.runtime.StopRequest does.
+        self._resume_at: int | None = 0
         self.closed = False
-        if self._engine is not None:
-            self._engine.want_stats = True
+        self._attach()
         topo = session.topo
         self.record(
             "start",
@@ -428,13 +432,15 @@ class Metrics:
             raise ConfigError("Metrics.step() after close(): build a new geompi.Metrics")
         if optimizer is not None and self._engine is None:
             self._engine = _engine_of(optimizer)
-            if self._engine is not None:
-                self._engine.want_stats = True
+            self._attach()
         now = time.perf_counter()
         if self._first is None:
             self._first = (step, now)
         self._samples += samples or 0
-        if step % self.every == 0:
+        if self._resume_at is None:  # after a recovery: the step every survivor goes on from
+            failures = self._engine.failures if self._engine is not None else []
+            self._resume_at = failures[-1]["step"] if failures else 0
+        if step % self.every == 0 and step >= self._resume_at:
             self._start(step, _scalar(loss), lr)
         self._drain(block=len(self._queue) > MAX_PENDING)
         if self.master and self._progress_due(step, now):
@@ -464,6 +470,8 @@ class Metrics:
             self._comm = None
         if self._engine is not None:
             self._engine.want_stats = False
+            with contextlib.suppress(ValueError):
+                self._engine.on_rejoin.remove(self._rejoin)
 
     def __enter__(self) -> Metrics:
         return self
@@ -476,21 +484,43 @@ class Metrics:
     def record(self, kind: str, **fields: Any) -> None:
         """Rank 0 writes one record of ``kind`` (``"eval"``, or a kind of your own) with
         ``fields``, after the step records still under way; a no-op on the other workers.
-        Not collective."""
+        Not collective. An ``eval`` record gets ``wall_s`` (seconds since this object was
+        built) unless given."""
         if self.master:
+            if kind == "eval" and "wall_s" not in fields:
+                fields["wall_s"] = time.perf_counter() - self._t0
             self._queue.append({"kind": kind, **fields})
             self._drain(block=False)
 
     # ---- inside ---------------------------------------------------------------------------
+    def _attach(self) -> None:
+        """Ask the engine's rounds for the WAN counters, and rebuild the communicator where
+        every survivor of a lost rank rebuilds its own (on_failure="continue")."""
+        if self._engine is not None:
+            self._engine.want_stats = True
+            self._engine.on_rejoin.append(self._rejoin)
+
+    def _rejoin(self) -> None:
+        """After a recovery, at the same point on every survivor: the records under way are
+        dropped (a lost worker is in them), the survivors' communicator duplicated, and records
+        start again at the step the loss met (before it, survivors may redo different steps)."""
+        self._drop_pending()
+        self._resume_at = None  # known once the loss is recorded (engine.failures)
+        if self._base is not None and self._engine is not None:
+            self._base = self._engine.s.comms.all_workers
+            self._comm = self._base.Dup()
+
     def _start(self, step: int, loss: float, lr: float | None) -> None:
         e = self._engine
         base = e.s.comms.all_workers if e is not None else self._session.comms.all_workers
         if base is not self._base:  # the first record, or after a recovery (lost ranks)
             self._drop_pending()
             self._base, self._comm = base, base.Dup()
-        if lr is None and e is not None and e.opt.param_groups:
-            lr = e.opt.param_groups[0].get("lr")
-        lr = float(lr) if isinstance(lr, (int, float)) or hasattr(lr, "item") else None
+        rate: Any = lr
+        if rate is None and e is not None and e.opt.param_groups:
+            rate = e.opt.param_groups[0].get("lr")
+        ok = isinstance(rate, (int, float)) or hasattr(rate, "item")  # a tensor lr too
+        lr = float(rate) if ok else None
         vals = [loss, math.nan, math.nan, math.nan, math.nan, time.perf_counter() - self._t0]
         if e is not None:
             st = e.stats

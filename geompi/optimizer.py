@@ -527,6 +527,7 @@ class Synchronizer:
         # the caller's own rebuilding after a recovery (the CLI's loop: its topology, its stop
         # agreement), called with the faults.Loss before the workers agree on anything
         self.rejoined: Callable[[faults.Loss], None] | None = None
+        self.on_rejoin: list[Callable[[], None]] = []  # at the same point, every survivor
         # FSA under on_failure="continue": a lost rank met while pushing this round (the round
         # is redone at backward's end), the optimizer spec the round carried, and the last
         # completed round's results (its id, and copies), which a worker that the loss cut off
@@ -1295,6 +1296,8 @@ class Synchronizer:
         self.rejoin(loss.topo)
         if self.rejoined is not None:
             self.rejoined(loss)
+        for again in self.on_rejoin:  # geompi.Metrics: its own communicator, rebuilt here
+            again()
         return loss
 
     def _recover(self) -> faults.Loss:

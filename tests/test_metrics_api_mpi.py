@@ -11,10 +11,10 @@ import json
 import pytest
 
 try:
-    from mpirun import mpirun, prog, read_jsonl
+    from mpirun import error_lines, mpirun, prog, read_jsonl
     from test_metrics_schema import check_record
 except ImportError:  # tests/ imported as a package
-    from tests.mpirun import mpirun, prog, read_jsonl
+    from tests.mpirun import error_lines, mpirun, prog, read_jsonl
     from tests.test_metrics_schema import check_record
 
 pytestmark = pytest.mark.mpi
@@ -26,8 +26,9 @@ WORKERS, STEPS = 3, 8
 def out(tmp_path_factory):
     d = tmp_path_factory.mktemp("metrics_api")
     args = ["-m", "mpi4py", prog("metrics_api.py"), str(d)] + (["tensorboard"] if HAVE_TB else [])
-    res = mpirun(6, args, 300)
+    res = mpirun(6, args, 300, check=False)  # it ends on a bad argument (the last test)
     (d / "stderr.txt").write_text(res.stderr)
+    (d / "rc.txt").write_text(str(res.returncode))
     return d
 
 
@@ -62,13 +63,13 @@ def test_step_records_hold_the_workers_mean_loss_lr_bytes_and_time(out, tag, eve
     else:  # HFA K1=2, K2=2: a global average at steps 4 and 8 only, none at 6
         assert wan[2] == wan[1] and wan[3] > wan[2] and wan[1] > wan[0], wan
     evals = [r for r in records if r["kind"] == "eval"]
-    assert evals == [{**evals[0], "step": 4, "accuracy": 0.5}]
+    assert evals == [{**evals[0], "step": 4, "accuracy": 0.5}] and evals[0]["wall_s"] > 0
     assert records.index(evals[0]) == records.index(steps[4 // every - 1]) + 1  # in step order
     assert records[-1]["note"] == tag and records[-1]["steps"] == STEPS
 
 
 def test_progress_lines_and_a_users_handler(out):
-    # the user attached a handler: geompi's default one printed nothing on stderr
+    # the user attached a handler: geompi's default one printed nothing on stderr meanwhile
     assert "geompi: step" not in (out / "stderr.txt").read_text()
     lines = (out / "log-w0.txt").read_text().splitlines()
     progress = [ln for ln in lines if "geompi: step" in ln]
@@ -92,3 +93,13 @@ def test_tensorboard_from_the_api(out):
     assert {"bytes/wan_bytes", "train/lr", "time/wait_s", "eval/accuracy"} <= set(
         acc.Tags()["scalars"]
     )
+
+
+def test_a_bad_argument_is_one_line_and_every_rank_stops(out):
+    """After the user removed their handler, geompi's default one prints again."""
+    stderr = (out / "stderr.txt").read_text()
+    assert int((out / "rc.txt").read_text()) != 0
+    assert error_lines(stderr) == [
+        "geompi: error: geompi.Metrics(every=0): give a whole number >= 1"
+    ], stderr[-3000:]
+    assert "Traceback" not in stderr

@@ -16,7 +16,7 @@ from geompi.comm.buffers import BufferPool, all_finite
 from geompi.comm.linkmodel import Duplex, LinkModel
 from geompi.comm.poll import Backoff, spin_until
 from geompi.comm.topology import Communicators, Topology
-from geompi.comm.transport import LAN, WAN, Link, LinkStats, Requests, recv_buffer, wait_for
+from geompi.comm.transport import LAN, WAN, Link, LinkStats, Requests, recv_buffer
 from geompi.errors import NonFiniteError
 from geompi.ps.fragments import fragment_plan, is_global
 from geompi.ps.protocol import (
@@ -491,11 +491,11 @@ class LocalServer:
         ready = {i: results[up_index[i]] for i in due}
         if pos is not None:  # the workers need no presence back
             outs = [b[:0] if i == pos else b for i, b in enumerate(outs)]
+        if rnd.flags & FLAG_STATS:  # before the results: no worker waits for another's
+            self._tell_stats(reqs)
         self._send_results(reqs, outs, ready, scattered_positions(rnd))
         if rnd.k2:  # after the results: this round's own exchange is timed by then
             self._tell_exchanges()
-        if rnd.flags & FLAG_STATS:
-            self._tell_stats()
         self._round_end = time.perf_counter()
         if rnd.op is Op.INIT:  # the time split covers training, not the start-up
             self.stats.reset_time()
@@ -541,13 +541,14 @@ class LocalServer:
             self.lan.isend(reqs, told, 1 + j, TAG_EXCHANGES, control=True)
         reqs.wait()
 
-    def _tell_stats(self) -> None:
+    def _tell_stats(self, reqs: Requests) -> None:
         """FLAG_STATS (a geompi.Metrics on the workers): every worker gets this server's WAN
-        counters, sent and received so far. Telemetry: not counted in the LAN bytes, so a
+        counters, sent and received so far (this round's transfers are posted, so counted),
+        posted on ``reqs`` before the results. Telemetry: not counted in the LAN bytes, so a
         run's byte figures are the same with or without metrics."""
-        told = np.array([self.stats.sent[WAN], self.stats.received[WAN]], dtype=np.float64)
-        reqs = [self.lan.comm.Isend(told, 1 + j, TAG_STATS) for j in range(len(self.workers))]
-        wait_for(reqs, self.timeout, f"the workers of datacenter {self.dc} (their counters)")
+        self._told = np.array([self.stats.sent[WAN], self.stats.received[WAN]], dtype=np.float64)
+        for j in range(len(self.workers)):
+            reqs.add(self.lan.comm.Isend(self._told, 1 + j, TAG_STATS), LAN)
 
     def _merge_pending(self, key: int, average: torch.Tensor) -> None:
         """Streaming HFA with overlap: the global result of this key's previous round arrives

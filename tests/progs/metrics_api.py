@@ -1,6 +1,7 @@
 """geompi.Metrics from a user's loop (tests/test_metrics_api_mpi.py): FSA, then HFA in the same
 job, each with its own metrics file. Every worker also writes the loss it computed at each
-step, for the test to average independently. Usage: ``metrics_api.py OUT [tensorboard]``.
+step, for the test to average independently. At the end, a bad argument stops the job (in
+one line). Usage: ``metrics_api.py OUT [tensorboard]``.
 """
 
 import json
@@ -44,7 +45,7 @@ def run(tag: str, sync, every: int) -> None:
             metrics.step(step, loss, samples=len(y))
             sched.step()
             if step == STEPS // 2 and geompi.is_master():
-                metrics.record("eval", step=step, wall_s=0.0, accuracy=0.5)
+                metrics.record("eval", step=step, accuracy=0.5)
         metrics.close(note=tag)
     with open(f"{out}/loss-{tag}-w{w}.json", "w") as f:
         json.dump(mine, f)
@@ -54,5 +55,7 @@ def run(tag: str, sync, every: int) -> None:
 run("fsa", "fsa", 1)
 run("hfa", geompi.HFA(k1=2, k2=2), 2)
 logging.getLogger("geompi.user").info("geompi: the user's own line")
+logging.getLogger("geompi").removeHandler(handler)  # geompi's default handler is back
 handler.close()
+geompi.Metrics(every=0)  # a bad argument: one line from rank 0, and every rank stops
 geompi.finish()
