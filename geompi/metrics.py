@@ -16,13 +16,16 @@ import math
 import os
 import time
 from collections import deque
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
 
 from geompi.comm.transport import LAN, wait_for
 from geompi.errors import ConfigError, GeompiError
 from geompi.logs import get_logger
+
+if TYPE_CHECKING:  # pragma: no cover
+    from geompi.optimizer import GeompiOptimizer
 
 SCHEMA = "geompi.metrics/1"
 LOG = get_logger("geompi.metrics")
@@ -350,7 +353,7 @@ class Metrics:
         self,
         path: str | os.PathLike | None = None,
         *,
-        optimizer: Any = None,
+        optimizer: GeompiOptimizer | None = None,
         tensorboard: str | os.PathLike | None = None,
         every: int = 1,
         total_steps: int | None = None,
@@ -358,8 +361,9 @@ class Metrics:
         progress_s: float | None = None,
         start: dict | None = None,
         _agree: bool = True,
+        _engine: Any = None,
     ) -> None:
-        self._engine = _engine_of(optimizer)
+        self._engine = _engine if _engine is not None else _engine_of(optimizer)
         session = self._engine.s if self._engine is not None else _session()
         self._session = session
         self.master = session.rank == 0
@@ -409,9 +413,9 @@ class Metrics:
     def step(
         self,
         step: int,
-        loss: Any,
+        loss: float | Any,
         *,
-        optimizer: Any = None,
+        optimizer: GeompiOptimizer | None = None,
         lr: float | None = None,
         samples: int | None = None,
         note: str = "",
@@ -594,12 +598,10 @@ def _scalar(loss: Any) -> float:
 
 
 def _engine_of(optimizer: Any) -> Any:
-    """The worker engine of a DistributedOptimizer (or the engine itself: the CLI's)."""
+    """The worker engine of a DistributedOptimizer."""
     if optimizer is None:
         return None
     engine = getattr(optimizer, "_geompi", None)
-    if engine is None and hasattr(optimizer, "server_counts"):
-        engine = optimizer
     if engine is None:
         raise ConfigError(
             f"geompi.Metrics(optimizer=...) takes a DistributedOptimizer, not a "

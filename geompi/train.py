@@ -484,7 +484,7 @@ def _train(cfg: RunConfig, comm) -> dict | None:
             node = Worker(cfg, algo, s)
             log = Metrics(
                 cfg.metrics,
-                optimizer=node.engine,
+                _engine=node.engine,  # the CLI's optimizer is not swapped: its engine
                 tensorboard=cfg.tensorboard,
                 total_steps=node.total_steps,
                 progress_s=cfg.progress_every,
