@@ -27,6 +27,7 @@ __all__ = [
     "HFA",
     "DistributedOptimizer",
     "DistributedSampler",
+    "Metrics",
     "all_reduce",
     "broadcast_object",
     "local_worker_rank",
@@ -51,6 +52,7 @@ _LAZY = {
     "MixedSync": "geompi.sync",
     "DistributedOptimizer": "geompi.optimizer",
     "DistributedSampler": "geompi.sampler",
+    "Metrics": "geompi.metrics",
     "save": "geompi.state",
     "all_reduce": "geompi.collectives",
     "broadcast_object": "geompi.collectives",
@@ -67,6 +69,7 @@ if TYPE_CHECKING:  # pragma: no cover
         local_worker_rank,
         stop_requested,
     )
+    from geompi.metrics import Metrics
     from geompi.optimizer import DistributedOptimizer
     from geompi.sampler import DistributedSampler
     from geompi.state import load, save

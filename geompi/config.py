@@ -18,6 +18,7 @@ from numbers import Integral
 
 from geompi.errors import ConfigError
 from geompi.factory import check_spec, is_spec
+from geompi.logs import LEVELS
 
 # How a datacenter sums its workers' pushes (geompi.ps.client.scatters): "funnel" through the
 # local server, "scatter" (reduce-scatter among the workers first), or "auto": scatter for big
@@ -26,6 +27,7 @@ LAN_REDUCE = ("auto", "funnel", "scatter")
 
 SYNCS = ("fsa", "mixed", "hfa")  # --sync's choices: geompi.sync.REGISTRY's names
 ON_NONFINITE = ("abort", "skip")
+LOG_LEVELS = LEVELS  # --log-level (geompi.logs)
 
 # Bounds past which a setting is a typo, not a run: refused in one line before anything starts
 # (beyond them a value overflowed into a traceback, a crash, or a run of 4.6e18 steps).
@@ -107,6 +109,7 @@ class RunConfig:
     metrics: str | None = None
     tensorboard: str | None = None
     progress_every: float = 5.0
+    log_level: str | None = None  # None: GEOMPI_LOG_LEVEL, else INFO (geompi.logs)
     # checkpoints
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
@@ -235,6 +238,10 @@ class RunConfig:
                 f"unknown --hfa-weighting {self.hfa_weighting!r}: choose samples or uniform"
             )
         self._check_outer()
+        if self.log_level is not None and self.log_level.upper() not in LOG_LEVELS:
+            raise ConfigError(
+                f"unknown --log-level {self.log_level!r}: choose one of {', '.join(LOG_LEVELS)}"
+            )
         if self.on_nonfinite not in ON_NONFINITE:
             raise ConfigError(f"unknown --on-nonfinite {self.on_nonfinite!r}: choose abort or skip")
         self._check_on_failure()
@@ -712,6 +719,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--progress-every",
         type=_float,
         help=f"seconds between progress lines (default {d.progress_every:g})",
+    )
+    o.add_argument(
+        "--log-level",
+        metavar=_one_of(LOG_LEVELS),
+        help="the least severe messages shown, of the geompi logger (default: "
+        "GEOMPI_LOG_LEVEL, else INFO; ERROR still shows every error)",
     )
     o.add_argument("--checkpoint-dir", help="where checkpoints go (default none)")
     o.add_argument(

@@ -7,15 +7,16 @@ into one line on stderr from one rank and abort every rank together.
 from __future__ import annotations
 
 import math
-import sys
+
+from geompi.logs import emit
 
 PREFIX = "geompi: error: "  # the start of every error line a user sees
 
 
 def say(msg: str) -> None:
-    """One line on stderr, flushed."""
-    sys.stderr.write(msg.rstrip("\n") + "\n")
-    sys.stderr.flush()
+    """One line through the ``geompi`` logger (geompi.logs): ERROR for ``geompi: error:``,
+    WARNING for ``geompi: warning:``, else INFO; by default the bare line on stderr."""
+    emit(msg)
 
 
 class GeompiError(Exception):

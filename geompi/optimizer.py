@@ -22,6 +22,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, NoReturn, cast
 
+import numpy as np
 import torch
 
 from geompi.comm import callwatch, faults
@@ -40,7 +41,9 @@ from geompi.ps.protocol import (
     FLAG_PRESENCE,
     FLAG_RAW,
     FLAG_SCATTER,
+    FLAG_STATS,
     MAX_KEYS,
+    STATS_LEN,
     Op,
     presence_payload,
 )
@@ -536,6 +539,7 @@ class Synchronizer:
         # the caller's own rebuilding after a recovery (the CLI's loop: its topology, its stop
         # agreement), called with the faults.Loss before the workers agree on anything
         self.rejoined: Callable[[faults.Loss], None] | None = None
+        self.on_rejoin: list[Callable[[], None]] = []  # at the same point, every survivor
         # FSA under on_failure="continue": a lost rank met while pushing this round (the round
         # is redone at backward's end), the optimizer spec the round carried, and the last
         # completed round's results (its id, and copies), which a worker that the loss cut off
@@ -558,6 +562,12 @@ class Synchronizer:
         # would stay local (checked every round; the whole model every UNHOOKED_SCAN rounds)
         self.frozen = [(name, p) for name, p in named if not p.requires_grad]
         self.rounds_begun = 0
+        # geompi.Metrics: rounds ask the local server for its WAN counters (FLAG_STATS), and
+        # the training forwards and backwards are timed, less the waits inside them
+        self.want_stats = False
+        self.server_counts = np.zeros(STATS_LEN, dtype=np.float64)
+        self.compute_s = 0.0
+        self._compute_from: tuple[float, float] | None = None  # (clock, LAN wait) at forward
         for p in self.params:
             if p.requires_grad:
                 self.hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
@@ -809,6 +819,8 @@ class Synchronizer:
     def _before_forward(self, module, args, kwargs) -> None:
         if not (module.training and torch.is_grad_enabled()):
             return
+        if self._compute_from is None:
+            self._compute_from = (time.perf_counter(), self.stats.wait_s[LAN])
         self.synced = False  # a new training forward: its gradients are still to be exchanged
         if self.average_due:  # HFA: a GradScaler skipped step() on this worker
             self._average_now()
@@ -915,6 +927,7 @@ class Synchronizer:
     def _start_round(self):
         """Post this step's GRAD round header (FSA, MixedSync); returns its requests."""
         flags = (FLAG_PRESENCE if self.server_side else FLAG_RAW) | self.lan_flags
+        flags |= FLAG_STATS if self.want_stats else 0
         if self.server_side and self.aux_len:  # buffers: a sample-weighted mean
             flags |= FLAG_MEAN
         self.issued = 0
@@ -950,6 +963,11 @@ class Synchronizer:
         self.in_backward = False
         if self.reqs is not None:
             self._finish_round()
+        if self._compute_from is not None:  # forward to here, less the waits for the round
+            t0, waited = self._compute_from
+            took = time.perf_counter() - t0 - (self.stats.wait_s[LAN] - waited)
+            self.compute_s += max(0.0, took)
+            self._compute_from = None
         if self.window_closes:  # HFA: one step's gradients are complete on every worker
             self.window_closes = False
             self.steps += 1
@@ -997,6 +1015,8 @@ class Synchronizer:
             if self.aux_len:
                 self.client.pull(reqs, self.aux_recv)
             self.client.pull(reqs, self.present_out)
+        if self.client.flags & FLAG_STATS:
+            self.client.pull_stats(reqs, self.server_counts)
         self.client.wait(reqs)
         if faults.watching():
             self._keep_results()
@@ -1159,7 +1179,7 @@ class Synchronizer:
         ``force_global``) of parameters and float buffers; with adaptive ``cadence``, its
         K2 goes to the local server and the exchange times it measured come back."""
         flags = (FLAG_GLOBAL if force_global else 0) | (FLAG_FLUSH if flush else 0)
-        flags |= self.lan_flags
+        flags |= self.lan_flags | (FLAG_STATS if self.want_stats else 0)
         if self.aux_len:  # the buffers: averaged by the global servers, never outer-stepped
             flags |= FLAG_MEAN
         for b in self.buckets:
@@ -1179,6 +1199,8 @@ class Synchronizer:
             self.client.pull(reqs, b.params)
         if self.aux_len:
             self.client.pull(reqs, self.aux_recv)
+        if flags & FLAG_STATS:
+            self.client.pull_stats(reqs, self.server_counts)
         self.client.wait(reqs)
         self.pushed_weight = None
         if self.aux_len:
@@ -1276,6 +1298,8 @@ class Synchronizer:
         self.rejoin(loss.topo)
         if self.rejoined is not None:
             self.rejoined(loss)
+        for again in self.on_rejoin:  # geompi.Metrics: its own communicator, rebuilt here
+            again()
         return loss
 
     def _recover(self) -> faults.Loss:

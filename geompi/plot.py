@@ -1,11 +1,12 @@
 """``python -m geompi.plot METRICS.jsonl [...] -o run.png``: compare runs from their metrics files.
 
 Four panels: training loss (a trailing mean) and test accuracy, each against wall time and
-against WAN bytes, every run on the same axes. The metrics log has per-step wall time but WAN
-bytes only in the final summary, so the WAN axis spreads the run's total over its steps
-(``wan_bytes * step / steps``): exact at every global sync for FSA and HFA, whose syncs all send
-the same bytes, and an approximation for MixedSync's asynchronous deposits. A file that holds
-several runs (a requeued job appends) is read from its last start. Needs matplotlib
+against WAN bytes, every run on the same axes. A log of schema ``geompi.metrics/1``
+(docs/metrics.md) has the cumulative WAN bytes in every step record, measured; an older log
+has them only in the final summary, and the WAN axis then spreads the run's total over its
+steps (``wan_bytes * step / steps``): exact at every global sync for FSA and HFA, whose syncs
+all send the same bytes, an approximation for MixedSync's asynchronous deposits. A file that
+holds several runs (a requeued job appends) is read from its last start. Needs matplotlib
 (``pip install 'geompi[plot]'``).
 """
 
@@ -32,10 +33,23 @@ class Run:
     acc: list[tuple[int, float, float]] = field(default_factory=list)  # step, wall_s, test_acc
     steps: int = 0
     wan_bytes: int | None = None
+    wan: dict[int, int] = field(default_factory=dict)  # step -> measured cumulative WAN bytes
 
     def wan_at(self, step: int) -> float:
         """Cumulative WAN bytes at ``step`` (the summary's total spread over the steps)."""
         return (self.wan_bytes or 0) * step / max(1, self.steps)
+
+    def wan_axis(self, step: int) -> float:
+        """The WAN axis at ``step``: measured (the last step record at or before it) where
+        the log has them, else :meth:`wan_at`."""
+        if not self.wan:
+            return self.wan_at(step)
+        known = [s for s in self.wan if s <= step]
+        return float(self.wan[max(known)]) if known else 0.0
+
+    @property
+    def has_wan(self) -> bool:
+        return bool(self.wan) or self.wan_bytes is not None
 
 
 def read_run(path: str | Path, label: str | None = None) -> Run:
@@ -53,13 +67,16 @@ def read_run(path: str | Path, label: str | None = None) -> Run:
             records.append(json.loads(line))
         except json.JSONDecodeError:
             raise DataError(f"{path}:{n} is not JSON: pass a --metrics file of geompi") from None
-    starts = [i for i, r in enumerate(records) if r.get("event") == "start"]
+    starts = [i for i, r in enumerate(records) if "start" in (r.get("event"), r.get("kind"))]
     if starts:
         records = records[starts[-1] :]
     sync = next((r["config"].get("sync") for r in records if "config" in r), None)
     run = Run(label or (f"{path.stem} ({sync})" if sync else path.stem))
     for r in records:
-        if r.get("summary"):
+        kind = r.get("kind")  # schema 1; older logs: "summary", "event" and the fields
+        if kind == "step" and isinstance(r.get("wan_bytes"), int):
+            run.wan[int(r["step"])] = r["wan_bytes"]
+        if r.get("summary") or kind == "summary":
             run.steps = int(r.get("steps", 0))
             run.wan_bytes = r.get("wan_bytes")
             if "test_acc" in r and "wall_s" in r:
@@ -77,7 +94,7 @@ def read_run(path: str | Path, label: str | None = None) -> Run:
 
 
 def smooth(xs: Sequence[float], window: int) -> list[float]:
-    """Trailing mean over ``window`` values (rank 0's minibatch loss is noisy)."""
+    """Trailing mean over ``window`` values (a minibatch loss is noisy)."""
     out, total = [], 0.0
     for i, x in enumerate(xs):
         total += x - (xs[i - window] if i >= window else 0.0)
@@ -104,13 +121,14 @@ def plot(runs: Sequence[Run], out: str | Path, window: int = 20, title: str | No
             steps, wall, loss = zip(*run.loss)
             loss = smooth(loss, window)
             loss_t.plot(wall, loss, color=color, label=run.label)
-            if run.wan_bytes is not None:
-                loss_b.plot([run.wan_at(s) for s in steps], loss, color=color, label=run.label)
+            if run.has_wan:
+                loss_b.plot([run.wan_axis(s) for s in steps], loss, color=color, label=run.label)
         if run.acc:
             steps, wall, acc = zip(*sorted(run.acc))
             acc_t.plot(wall, acc, "o-", color=color, label=run.label)
-            if run.wan_bytes is not None:
-                acc_b.plot([run.wan_at(s) for s in steps], acc, "o-", color=color, label=run.label)
+            if run.has_wan:
+                wan = [run.wan_axis(s) for s in steps]
+                acc_b.plot(wan, acc, "o-", color=color, label=run.label)
     for ax, ylabel in ((loss_t, "training loss"), (loss_b, "training loss")):
         ax.set_ylabel(f"{ylabel} (mean of {window} steps)")
     for ax in (acc_t, acc_b):
@@ -118,7 +136,7 @@ def plot(runs: Sequence[Run], out: str | Path, window: int = 20, title: str | No
     for ax in (loss_t, acc_t):
         ax.set_xlabel("wall time (s)")
     for ax in (loss_b, acc_b):
-        ax.set_xlabel("WAN bytes (the run's total spread over its steps)")
+        ax.set_xlabel("WAN bytes (measured; older logs: the run's total spread over its steps)")
     for ax in axes.flat:
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:

@@ -248,6 +248,7 @@ def start_job(plan, comm=None):
     try:
         check_same_env(rows)
         check_wait_mode()
+        check_log_level()
         check_launcher(comm.Get_size())
         topo = plan(comm)
         check_same_device(rows, topo)
@@ -317,6 +318,17 @@ def check_wait_mode() -> None:
     mode = wait_mode()
     if mode not in WAIT_MODES:
         raise ConfigError(f"GEOMPI_WAIT={mode!r}: choose one of {', '.join(WAIT_MODES)}")
+
+
+def check_log_level() -> None:
+    """Raise ConfigError for a GEOMPI_LOG_LEVEL that is not one of geompi.logs.LEVELS."""
+    from geompi.errors import ConfigError
+    from geompi.logs import level_from_env
+
+    try:
+        level_from_env()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def check_same_device(rows: list[dict], topo) -> None:

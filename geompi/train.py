@@ -41,7 +41,8 @@ from geompi.comm.topology import Role
 from geompi.comm.transport import LAN, worker_timeout
 from geompi.config import MAX_STEPS, RunConfig, make_config
 from geompi.errors import ConfigError, GeompiError
-from geompi.metrics import MetricsLog
+from geompi.logs import set_level
+from geompi.metrics import Metrics
 from geompi.runtime import (
     StopRequest,
     abort,
@@ -151,7 +152,7 @@ class Worker:
         return opt, engine
 
     # ---- the loop -------------------------------------------------------------------------
-    def run(self, log: MetricsLog | None) -> dict:
+    def run(self, log: Metrics | None) -> dict:
         from geompi.data import evaluate
 
         cfg = self.cfg
@@ -296,7 +297,7 @@ class Worker:
         return out
 
     def _survive(
-        self, err: BaseException, stop: StopRequest, log: MetricsLog | None, redo: bool = True
+        self, err: BaseException, stop: StopRequest, log: Metrics | None, redo: bool = True
     ) -> None:
         """``--on-failure continue``: a rank was lost during this step's round (or, without
         ``redo``, its checkpoint); see Synchronizer.survive. Re-raises ``err`` where it is not
@@ -307,7 +308,7 @@ class Worker:
         self._note_failures(log, stop, self.samples if self.algo.local_steps else None)
 
     def _note_failures(
-        self, log: MetricsLog | None, stop: StopRequest, trained: int | None = None
+        self, log: Metrics | None, stop: StopRequest, trained: int | None = None
     ) -> None:
         """Each loss the engine survived since the last call: a metrics event, and the samples
         the lost workers trained before it, which the summary counts (``trained``: each one's;
@@ -322,7 +323,7 @@ class Worker:
             if not self.algo.local_steps:
                 stop.resume_at = at
             if log is not None:
-                log.write({"event": "failure", **failure})
+                log.record("failure", event="failure", **failure)
         self.failures_seen = len(self.engine.failures)
 
     def _resume(self) -> None:
@@ -346,7 +347,7 @@ class Worker:
             self.ckpt.record_starts()
         self.engine.start(extra, send_restore=send)
 
-    def _save_surviving(self, log: MetricsLog | None, stop: StopRequest) -> None:
+    def _save_surviving(self, log: Metrics | None, stop: StopRequest) -> None:
         """``_save``; where a rank is lost during it (``--on-failure continue``), the survivors
         recover and write it again, in the surviving topology. The round it cut off changed
         no model (a SAVE round), so nothing is redone."""
@@ -357,7 +358,7 @@ class Worker:
             except Exception as e:  # noqa: BLE001 - a lost rank, under --on-failure continue
                 self._survive(e, stop, log, redo=False)
 
-    def _save(self, log: MetricsLog | None, final: bool = False) -> None:
+    def _save(self, log: Metrics | None, final: bool = False) -> None:
         from geompi.data import evaluate
 
         metrics = {}
@@ -366,7 +367,7 @@ class Worker:
             metrics = {"test_acc": acc, "test_loss": loss}
         path = self.ckpt.save(self.step, metrics, final=final)
         if log is not None and path is not None:
-            log.write({"step": self.step, "checkpoint": str(path), **metrics})
+            log.record("checkpoint", step=self.step, checkpoint=str(path), **metrics)
 
 
 class Rewind:
@@ -405,12 +406,13 @@ class Rewind:
 
 
 class Progress:
-    """Rank 0's account of the loop: a metrics line per step, a progress line every
-    ``--progress-every`` seconds and the test accuracy every ``--eval-every`` steps."""
+    """The loop's account, through geompi.metrics.Metrics (the API's one path): on every
+    worker a step record (the loss averaged over the workers) and progress lines every
+    ``--progress-every`` seconds; on rank 0 a record per change of K2 and the test accuracy
+    every ``--eval-every`` steps."""
 
-    def __init__(self, log: MetricsLog | None, worker: Worker, t_start: float) -> None:
+    def __init__(self, log: Metrics | None, worker: Worker, t_start: float) -> None:
         self.log, self.w, self.t_start = log, worker, t_start
-        self.last = t_start
         self.cadence = worker.engine.cadence  # --adaptive-sync: a line per change of K2
         self.k2_written = 0
 
@@ -419,27 +421,21 @@ class Progress:
             return
         from geompi.data import evaluate
 
-        w, cfg = self.w, self.w.cfg
-        now = time.perf_counter()
-        self.log.write({"step": w.step, "loss": loss.item(), "wall_s": now - self.t_start})
-        cadence = self.cadence
+        w, cfg, cadence = self.w, self.w.cfg, self.cadence
+        k2 = f" K2 {cadence.k2}" if cadence is not None else ""
+        note = f"epoch {w.loader.epoch}{k2}"
+        lr = w.opt.param_groups[0].get("lr", cfg.effective_lr)  # the servers' own, if they step
+        self.log.step(w.step, loss.item(), lr=lr, samples=w.last_batch, note=note)
+        if not w.master:
+            return
+        wall = time.perf_counter() - self.t_start
         if cadence is not None:
             for change in cadence.changes[self.k2_written :]:  # "step" is the change's own
-                self.log.write({"event": "k2", **change, "wall_s": now - self.t_start})
+                self.log.record("k2", event="k2", **change, wall_s=wall)
             self.k2_written = len(cadence.changes)
-        if now - self.last >= cfg.progress_every:
-            self.last = now
-            rate = w.samples * w.topo.num_workers / (now - self.t_start)
-            k2 = f" K2 {cadence.k2}" if cadence is not None else ""
-            say(
-                f"geompi: step {w.step}/{w.total_steps} epoch {w.loader.epoch} "
-                f"loss {loss.item():.4f} {rate:.0f} samples/s{k2}"
-            )
         if cfg.eval_every and w.step % cfg.eval_every == 0:
             acc, tl = evaluate(w.model, w.ds.x_test, w.ds.y_test)
-            self.log.write(
-                {"step": w.step, "test_acc": acc, "test_loss": tl, "wall_s": now - self.t_start}
-            )
+            self.log.record("eval", step=w.step, test_acc=acc, test_loss=tl, wall_s=wall)
 
 
 def _fault_signal_at(rank: int) -> int:
@@ -478,22 +474,23 @@ def _train(cfg: RunConfig, comm) -> dict | None:
     # before its INIT round), as they serve a DistributedOptimizer's.
     s = session.start(cfg.validate, comm, again=again)
     comm, topo, comms, stats = s.comms.world, s.topo, s.comms, s.stats
+    if cfg.log_level:
+        set_level(cfg.log_level)
     rank = s.rank
     node = log = err = None
     try:
         algo = sync.from_config(cfg)
         if s.is_worker:
             node = Worker(cfg, algo, s)
-            if rank == 0:
-                log = MetricsLog(cfg.metrics, cfg.tensorboard)
-                log.write(
-                    {
-                        "event": "start",
-                        "config": json.loads(cfg.to_json()),
-                        "topology": topo.describe(),
-                        "total_steps": node.total_steps,
-                    }
-                )
+            log = Metrics(
+                cfg.metrics,
+                _engine=node.engine,  # the CLI's optimizer is not swapped: its engine
+                tensorboard=cfg.tensorboard,
+                total_steps=node.total_steps,
+                progress_s=cfg.progress_every,
+                start={"config": json.loads(cfg.to_json())},
+                _agree=False,  # a bad --metrics is agreed on with the servers, below
+            )
     except Exception as e:  # noqa: BLE001 - reported collectively below
         err = e
     agree_or_exit(comm, err)
@@ -503,6 +500,7 @@ def _train(cfg: RunConfig, comm) -> dict | None:
         return None
     try:
         result = node.run(log)
+        log.flush()  # every worker: the last step records
     except Exception as e:  # noqa: BLE001
         abort(e)
     # After a recovery (--on-failure continue) the job goes on in the rebuilt communicators
@@ -533,8 +531,7 @@ def _train(cfg: RunConfig, comm) -> dict | None:
             "sync": cfg.sync,
             "topology": topo.describe(),
         }
-        log.write(summary)
-        log.close()
+        log.close(**summary)
         figures = (
             f"test_acc={result['test_acc']:.4f} steps={result['steps']} "
             f"wall_s={result['wall_s']:.1f} lan_bytes={totals['lan_bytes']} "
@@ -573,6 +570,7 @@ def _train(cfg: RunConfig, comm) -> dict | None:
             )
     # Release the servers; beat until every rank is here (one that is done, a fast MixedSync
     # datacenter, must not look lost to one still training), then free the communicators.
+    log.close()  # the other workers (rank 0's is closed with its summary)
     s.send_job({"sync": None}, None)
     session.end(s)
     faults.unwatch()

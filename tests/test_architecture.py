@@ -21,7 +21,7 @@ PKG = Path(__file__).resolve().parents[1] / "geompi"
 CYCLES_ALLOWED: list[set[str]] = []
 # Layers, bottom first: a module may import its own layer or lower ones only.
 LAYERS = [
-    {"errors"},
+    {"errors", "logs"},
     {"comm"},
     {"ps"},
     {"sync"},

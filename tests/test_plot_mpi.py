@@ -10,8 +10,10 @@ import pytest
 
 try:
     from mpirun import REPO, mpirun, read_jsonl
+    from test_metrics_schema import check_record
 except ImportError:  # tests/ imported as a package
     from tests.mpirun import REPO, mpirun, read_jsonl
+    from tests.test_metrics_schema import check_record
 
 pytestmark = pytest.mark.mpi
 HAVE_TB = importlib.util.find_spec("tensorboard") is not None
@@ -64,6 +66,23 @@ def test_plot_reads_the_runs_records(run_dir):
     assert run.steps == 20 and run.wan_bytes > 0
     assert run.wan_at(10) == pytest.approx(run.wan_bytes / 2)
     assert "(fsa)" in run.label
+
+
+def test_the_clis_records_follow_the_documented_schema(run_dir):
+    """The CLI writes through geompi.Metrics: schema 1, the loss averaged over its 2 workers,
+    bytes measured per step (the summary's are the bytes every rank sent: the same WAN
+    traffic, once each way)."""
+    records = read_jsonl(run_dir / "m.jsonl")
+    for r in records:
+        check_record(r)
+    assert records[0]["kind"] == "start" and "config" in records[0]
+    steps = [r for r in records if r["kind"] == "step"]
+    assert [r["step"] for r in steps] == list(range(1, 21))
+    assert all(r["workers"] == 2 and r["lr"] > 0 for r in steps)
+    wan = [r["wan_bytes"] for r in steps]
+    assert all(b > a for a, b in zip(wan, wan[1:])), wan
+    summary = records[-1]
+    assert summary["kind"] == "summary" and 0.9 < wan[-1] / summary["wan_bytes"] <= 1.0
 
 
 def test_plot_errors_are_one_line(tmp_path, run_dir):

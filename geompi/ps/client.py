@@ -13,6 +13,7 @@ from geompi.ps.protocol import (
     TAG_PEER_RESULT,
     TAG_RESULT,
     TAG_SPEC,
+    TAG_STATS,
     Op,
     Round,
     scattered_positions,
@@ -49,6 +50,7 @@ class PSClient:
         self.round_id = 0
         self.done_id = 0  # the last round completed here (waited on)
         self.step = 0  # the training step, set by the training loop; travels in headers
+        self.flags = 0  # of the round under way
         self.workers = link.size - 1  # dc_comm: the local server, then the workers in order
         self.me = link.rank - 1
         self._scattered: set[int] = set()
@@ -69,6 +71,7 @@ class PSClient:
         """Post this round's header (and optimizer spec); returns the round's request list.
         ``k2``: HFA's adaptive cadence, the K2 the local server's schedule follows."""
         self.round_id += 1
+        self.flags = flags  # this round's (FLAG_STATS: the caller pulls the counters too)
         self._pushed = self._pulled = 0
         reqs = Requests(self.link.stats, self.timeout, "the local server")
         rnd = Round(
@@ -129,6 +132,11 @@ class PSClient:
         """A round with a K2 (adaptive HFA): receive the local server's exchange times into
         ``out`` (float64: their sum and count) when the round is waited on."""
         self.link.irecv(reqs, out, LOCAL_SERVER, TAG_EXCHANGES)
+
+    def pull_stats(self, reqs: Requests, out) -> None:
+        """A round with FLAG_STATS: receive the local server's WAN counters into ``out`` (a
+        float64 numpy array of STATS_LEN) when the round is waited on. Uncounted telemetry."""
+        reqs.add(self.link.comm.Irecv(out, LOCAL_SERVER, TAG_STATS), self.link.kind)
 
     def wait(self, reqs: Requests) -> None:
         """Complete the round. In a scattered one: sum the slices the peers sent and push

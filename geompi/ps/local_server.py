@@ -8,6 +8,7 @@ import time
 from collections import deque
 from functools import partial
 
+import numpy as np
 import torch
 
 from geompi.comm import faults
@@ -24,12 +25,14 @@ from geompi.ps.protocol import (
     FLAG_MEAN,
     FLAG_RAW,
     FLAG_SCATTER,
+    FLAG_STATS,
     FLAG_WEIGHT_FINAL,
     TAG_DATA,
     TAG_EXCHANGES,
     TAG_HEADER,
     TAG_RESULT,
     TAG_SPEC,
+    TAG_STATS,
     TAG_TRAILER,
     Op,
     Round,
@@ -403,7 +406,8 @@ class LocalServer:
         up_index = {i: u for u, i in enumerate(sorted(due))}
         started = None  # when the first key went up
         if due:
-            flags = rnd.flags & ~FLAG_SCATTER | (FLAG_GLOBAL if rnd.op is Op.AVG else 0)
+            flags = rnd.flags & ~(FLAG_SCATTER | FLAG_STATS)
+            flags |= FLAG_GLOBAL if rnd.op is Op.AVG else 0
             if forced:  # under a lossy codec: uncompressed, both ends' replicas reset
                 flags |= FLAG_EXACT
             if mean_position(rnd) not in due:  # the buffers' key stays here this round
@@ -487,6 +491,8 @@ class LocalServer:
         ready = {i: results[up_index[i]] for i in due}
         if pos is not None:  # the workers need no presence back
             outs = [b[:0] if i == pos else b for i, b in enumerate(outs)]
+        if rnd.flags & FLAG_STATS:  # before the results: no worker waits for another's
+            self._tell_stats(reqs)
         self._send_results(reqs, outs, ready, scattered_positions(rnd))
         if rnd.k2:  # after the results: this round's own exchange is timed by then
             self._tell_exchanges()
@@ -534,6 +540,15 @@ class LocalServer:
         for j in range(len(self.workers)):
             self.lan.isend(reqs, told, 1 + j, TAG_EXCHANGES, control=True)
         reqs.wait()
+
+    def _tell_stats(self, reqs: Requests) -> None:
+        """FLAG_STATS (a geompi.Metrics on the workers): every worker gets this server's WAN
+        counters, sent and received so far (this round's transfers are posted, so counted),
+        posted on ``reqs`` before the results. Telemetry: not counted in the LAN bytes, so a
+        run's byte figures are the same with or without metrics."""
+        self._told = np.array([self.stats.sent[WAN], self.stats.received[WAN]], dtype=np.float64)
+        for j in range(len(self.workers)):
+            reqs.add(self.lan.comm.Isend(self._told, 1 + j, TAG_STATS), LAN)
 
     def _merge_pending(self, key: int, average: torch.Tensor) -> None:
         """Streaming HFA with overlap: the global result of this key's previous round arrives

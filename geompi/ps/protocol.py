@@ -70,6 +70,10 @@ FLAG_EXACT = 256
 # average): the round only delivers what compression held back; the global servers assign the
 # average without an outer step (an outer momentum would otherwise move the model once more).
 FLAG_FLUSH = 512
+# GRAD, AVG, from the workers (a geompi.Metrics is attached): after the results, the local server
+# sends each worker its link counters (TAG_STATS, STATS_LEN float64), uncounted telemetry that
+# never goes beyond the datacenter: the per-step records' WAN bytes (geompi.metrics).
+FLAG_STATS = 1024
 _NOTHING = -1.0  # what a presence buffer holds when an empty message arrived in it
 
 MAX_KEYS = 256
@@ -86,6 +90,8 @@ TAG_HEADER = 11
 TAG_TRAILER = 13  # after a round's data: the sender's final weight (0: it skipped the round)
 TAG_SPEC = 12
 TAG_EXCHANGES = 14  # AVG with k2 (adaptive HFA): local server -> workers, its exchange times
+TAG_STATS = 15  # FLAG_STATS: local server -> workers, [WAN sent, WAN received] after a round
+STATS_LEN = 2
 TAG_DATA = 1000  # + position of the key in the round
 TAG_RESULT = 1000 + MAX_KEYS
 TAG_PEER_PUSH = 1000 + 2 * MAX_KEYS  # + position: a slice of a worker's push, to its holder

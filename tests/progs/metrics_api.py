@@ -1,0 +1,61 @@
+"""geompi.Metrics from a user's loop (tests/test_metrics_api_mpi.py): FSA, then HFA in the same
+job, each with its own metrics file. Every worker also writes the loss it computed at each
+step, for the test to average independently. At the end, a bad argument stops the job (in
+one line). Usage: ``metrics_api.py OUT [tensorboard]``.
+"""
+
+import json
+import logging
+import sys
+
+import torch
+
+import geompi
+from tests.progs.api_common import batch, make_model
+
+out, with_tb = sys.argv[1], "tensorboard" in sys.argv[2:]
+STEPS = 8
+
+geompi.init(dc_sizes=(3, 2), global_servers=1)
+w = geompi.worker_rank()
+# an application's own handler: geompi's default stderr handler steps aside, this one gets
+# every record (with its rank)
+handler = logging.FileHandler(f"{out}/log-w{w}.txt")
+handler.setFormatter(logging.Formatter("rank %(rank)s %(levelname)s %(message)s"))
+logging.getLogger("geompi").addHandler(handler)
+
+
+def run(tag: str, sync, every: int) -> None:
+    model = make_model(seed=1)
+    opt = geompi.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.2), model, sync=sync)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    mine = {}
+    tb = f"{out}/tb-{tag}" if with_tb else None
+    with geompi.Metrics(
+        f"{out}/m-{tag}.jsonl", optimizer=opt, every=every, total_steps=STEPS,
+        tensorboard=tb, progress_steps=4,
+    ) as metrics:  # fmt: skip
+        for step in range(1, STEPS + 1):
+            x, y = batch(w, step)
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            mine[step] = loss.item()
+            metrics.step(step, loss, samples=len(y))
+            sched.step()
+            if step == STEPS // 2 and geompi.is_master():
+                metrics.record("eval", step=step, accuracy=0.5)
+        metrics.close(note=tag)
+    with open(f"{out}/loss-{tag}-w{w}.json", "w") as f:
+        json.dump(mine, f)
+    opt.close()
+
+
+run("fsa", "fsa", 1)
+run("hfa", geompi.HFA(k1=2, k2=2), 2)
+logging.getLogger("geompi.user").info("geompi: the user's own line")
+logging.getLogger("geompi").removeHandler(handler)  # geompi's default handler is back
+handler.close()
+geompi.Metrics(every=0)  # a bad argument: one line from rank 0, and every rank stops
+geompi.finish()
