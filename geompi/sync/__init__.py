@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import re
+from typing import Any
 
 from geompi.errors import ConfigError
 from geompi.sync.base import Algorithm
@@ -122,10 +123,10 @@ def from_job(job: dict) -> Algorithm:
     cls = REGISTRY.get(job["sync"])
     if cls is None or ("path" in job and _path(cls) != job["path"]):
         module, _, attr = job["path"].partition(":")
-        obj = importlib.import_module(module)
+        obj: Any = importlib.import_module(module)
         for part in attr.split("."):
             obj = getattr(obj, part)
-        cls = register(obj)
+        cls = register(obj)  # refuses what is not an Algorithm subclass, in one line
     return cls.from_settings(job.get("settings", {}))
 
 

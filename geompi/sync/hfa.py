@@ -21,6 +21,7 @@ import torch
 from geompi.errors import ConfigError, positive_number
 from geompi.ps.optim import (
     OUTER_OPTIMIZERS,
+    SGD,
     make_spec,
     outer_spec,
     outer_state_names,
@@ -211,7 +212,7 @@ def check_outer(name, kwargs) -> None:
                 "dampening and betas below 1; betas a pair)"
             )
     spec = outer_spec({"name": name, **kwargs})  # unknown settings: one line
-    if getattr(spec, "nesterov", False) and (not spec.momentum or spec.dampening):
+    if isinstance(spec, SGD) and spec.nesterov and (not spec.momentum or spec.dampening):
         raise ConfigError(
             f"HFA(outer_optimizer='nesterov', outer_kwargs={kwargs!r}): Nesterov needs a "
             "momentum > 0 and no dampening"
