@@ -74,7 +74,9 @@ def test_resume_sends_each_worker_only_its_own_local_optimizer_state():
         engine=SimpleNamespace(
             load_state=lambda st: None,
             global_syncs=0,
-            s=SimpleNamespace(comms=SimpleNamespace(all_workers=comm), rank=0, finished=False),
+            s=SimpleNamespace(
+                comms=SimpleNamespace(all_workers=comm), worker_comm=comm, rank=0, finished=False
+            ),
         ),
         local_opt=object(),
     )
