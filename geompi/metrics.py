@@ -52,7 +52,11 @@ FIELDS: dict[str, dict[str, tuple[bool, str]]] = {
     },
     "step": {
         "step": (True, "the step just done (as the caller counts)"),
-        "loss": (True, "the training loss at this step, the mean over every worker"),
+        "loss": (
+            True,
+            "the training loss at this step, the mean over every worker (MixedSync: the "
+            "master's datacenter)",
+        ),
         "lr": (True, "the learning rate of the first parameter group (null if none)"),
         "workers": (True, "how many workers the mean is over"),
         "lan_bytes": (True, "bytes the workers sent and received on their LAN, cumulative"),
@@ -511,12 +515,14 @@ class Metrics:
         self._drop_pending()
         self._resume_at = None  # known once the loss is recorded (engine.failures)
         if self._base is not None and self._engine is not None:
-            self._base = self._engine.s.comms.all_workers
+            self._base = self._engine.peers()
             self._comm = self._base.Dup()
 
     def _start(self, step: int, loss: float, lr: float | None) -> None:
         e = self._engine
-        base = e.s.comms.all_workers if e is not None else self._session.comms.all_workers
+        # the workers that went through the same rounds: every worker, or under MixedSync (whose
+        # datacenters run apart, a resumed one from its own step) this worker's datacenter
+        base = e.peers() if e is not None else self._session.comms.all_workers
         if base is not self._base:  # the first record, or after a recovery (lost ranks)
             self._drop_pending()
             self._base, self._comm = base, base.Dup()

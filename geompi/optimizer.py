@@ -1328,9 +1328,9 @@ class Synchronizer:
         self.s.comms.workers.Allreduce(MPI.IN_PLACE, done, op=MPI.MAX)
         return int(done[0])
 
-    def _peers(self):
-        """The workers that went through the same rounds: every worker (FSA), or this
-        datacenter's (MixedSync)."""
+    def peers(self):
+        """The workers that went through the same rounds: every worker (FSA, HFA), or this
+        datacenter's (MixedSync); geompi.Metrics averages over them."""
         c = self.s.comms
         return c.workers if self.algo.independent_dcs else c.all_workers
 
@@ -1343,7 +1343,7 @@ class Synchronizer:
         import numpy as np
         from mpi4py import MPI
 
-        comm = self._peers()
+        comm = self.peers()
         ids = np.array([self._kept_round, -self._kept_round], dtype=np.int64)
         comm.Allreduce(MPI.IN_PLACE, ids, op=MPI.MAX)
         latest, earliest = int(ids[0]), -int(ids[1])
