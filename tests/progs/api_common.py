@@ -139,11 +139,14 @@ def make_optimizer(
     raise ValueError(kind)
 
 
-def train_steps(model: Net, opt, worker: int, steps: int, sched=None, forced=()) -> None:
-    """The plain torch loop the API programs run on ``batch`` (opt may be geompi's). HFA: the
-    datacenter averages after the steps in ``forced`` go global (as the CLI's checkpoints)."""
+def train_steps(
+    model: Net, opt, worker: int, steps: int, sched=None, forced=(), first: int = 0
+) -> None:
+    """The plain torch loop the API programs run on ``batch`` (opt may be geompi's), steps
+    ``first`` to ``steps`` (a resume starts past 0). HFA: the datacenter averages after the
+    steps in ``forced`` go global (as the CLI's checkpoints)."""
     loss_fn = nn.CrossEntropyLoss()
-    for t in range(steps):
+    for t in range(first, steps):
         x, y = batch(worker, t)
         opt.zero_grad()
         loss_fn(model(x, use_extra(worker, t)), y).backward()

@@ -13,23 +13,17 @@ import json
 import sys
 
 import torch
-from torch import nn
 
 import geompi
-from tests.progs.api_common import batch, make_model, use_extra
+from tests.progs.api_common import make_model, train_steps
 
 out, mode = sys.argv[1], sys.argv[2]
 geompi.init(dc_sizes=(3, 2), global_servers=2)
 w = geompi.worker_rank()
-loss_fn = nn.CrossEntropyLoss()
 
 
 def steps(model, opt, first: int, last: int) -> None:
-    for t in range(first, last):
-        x, y = batch(w, t)
-        opt.zero_grad()
-        loss_fn(model(x, use_extra(w, t)), y).backward()
-        opt.step()
+    train_steps(model, opt, w, last, first=first)
 
 
 def build(name: str):

@@ -7,23 +7,17 @@ that step (FSA: after close, the servers' model; HFA: before close, its own loca
 import sys
 
 import torch
-from torch import nn
 
 import geompi
-from tests.progs.api_common import batch, make_model, param_groups, use_extra
+from tests.progs.api_common import make_model, param_groups, train_steps
 
 out = sys.argv[1]
 geompi.init(dc_sizes=(3,), global_servers=2)
 w = geompi.worker_rank()
-loss_fn = nn.CrossEntropyLoss()
 
 
 def steps(model, opt, first: int, last: int) -> None:
-    for t in range(first, last):
-        x, y = batch(w, t)
-        opt.zero_grad()
-        loss_fn(model(x, use_extra(w, t)), y).backward()
-        opt.step()
+    train_steps(model, opt, w, last, first=first)
 
 
 for name in ("fsa", "hfa"):
