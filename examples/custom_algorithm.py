@@ -15,7 +15,9 @@ Train with it through the Python API (this file, as a script):
 or through the CLI, from the repository root (the module is imported on every rank):
 
     mpirun -n 7 python -m geompi.train --sync examples.custom_algorithm:ClippedHFA \\
-        --dc-sizes 3,2 --global-servers 2 --k1 2 --k2 2 --steps 40
+        --dc-sizes 3,2 --global-servers 2 --k1 2 --k2 2 --clip 0.005 --steps 40
+
+(``--clip`` is the class's own flag: ``add_arguments`` below.)
 """
 
 from __future__ import annotations
@@ -45,6 +47,18 @@ class ClippedHFA(geompi.HFA):
             raise ConfigError(f"ClippedHFA(clip={self.clip!r}): must be a number > 0")
         if not self.clip > 0:
             raise ConfigError(f"ClippedHFA(clip={self.clip!r}): must be a number > 0")
+
+    @classmethod
+    def add_arguments(cls, parser) -> None:
+        """Its own flag for the CLI (``--sync examples.custom_algorithm:ClippedHFA --clip X``):
+        the dest names the field it sets; HFA's flags are there already."""
+        parser.add_argument(
+            "--clip",
+            type=geompi.sync.number,
+            default=None,
+            help=f"the largest move of the global model per element and global average "
+            f"(default {cls.clip:g})",
+        )
 
     def outer_rule(
         self, value: torch.Tensor, average: torch.Tensor, spec: dict, state: dict

@@ -15,10 +15,13 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from numbers import Integral
+from typing import Any
 
 from geompi.errors import ConfigError
 from geompi.factory import check_spec, is_spec
 from geompi.logs import LEVELS
+from geompi.sync.base import number as _float
+from geompi.sync.base import whole_number as _int
 
 # How a datacenter sums its workers' pushes (geompi.ps.client.scatters): "funnel" through the
 # local server, "scatter" (reduce-scatter among the workers first), or "auto": scatter for big
@@ -36,20 +39,6 @@ MAX_EPOCHS = 1e6
 MAX_LR = 1e4  # --lr, --outer-lr
 MAX_SEED = 2**64 - 1  # torch's generators take 64 bits
 MIN_COMM_TIMEOUT = 1.0  # seconds; below it every healthy peer looks lost
-
-# Flags that only one --sync reads: given explicitly on the command line under another, they
-# would be ignored without a word (streaming and --adaptive-sync flags are checked apart).
-ONLY_FOR = {
-    "k1": "hfa",
-    "k2": "hfa",
-    "hfa_weighting": "hfa",
-    "hfa_reset_optimizer": "hfa",
-    "outer_optimizer": "hfa",
-    "outer_lr": "hfa",
-    "outer_momentum": "hfa",
-    "hfa_mix": "hfa",
-    "max_staleness": "mixed",
-}
 
 
 @dataclass
@@ -119,6 +108,9 @@ class RunConfig:
     comm_timeout: float | None = None
     on_nonfinite: str = "abort"
     on_failure: str = "abort"  # or "continue": survive lost ranks (ULFM, geompi.comm.faults)
+    # the values of flags an algorithm added (Algorithm.add_arguments) outside these fields:
+    # its from_config reads them (JSON values, by the flag's dest)
+    algorithm_args: dict[str, Any] = field(default_factory=dict)
     # where each value came from, for messages
     sources: dict[str, str] = field(default_factory=dict, repr=False)
 
@@ -293,6 +285,7 @@ class RunConfig:
             )
         self.wan_settings()
         self._check_algorithm_flags()
+        self.algorithm.validate()  # its own settings (an outside algorithm's flags), last
         return self
 
     def _check_bounds(self) -> None:
@@ -360,13 +353,18 @@ class RunConfig:
             raise ConfigError("--outer-optimizer nesterov with --outer-momentum 0: give it > 0")
 
     def _check_algorithm_flags(self) -> None:
-        """Flags given on the command line that the chosen --sync does not read."""
-        for name, sync in ONLY_FOR.items():
+        """Flags given on the command line that the chosen --sync does not read: each belongs
+        to the algorithm class whose ``add_arguments`` added it, and --sync's class must be
+        that one or derive from it."""
+        from geompi import sync as registry
+
+        chosen = registry.lookup(self.sync)
+        for name, owner in flag_owners(self.sync).items():
             src = self.sources.get(name, "")
-            if src.startswith("--") and self.family != sync:
+            if src.startswith("--") and owner not in chosen.__mro__:
                 raise ConfigError(
-                    f"{src} is for --sync {sync}, not --sync {self.sync}: drop {src} or pass "
-                    f"--sync {sync}"
+                    f"{src} is for --sync {owner.name}, not --sync {self.sync}: drop {src} or "
+                    f"pass --sync {owner.name}"
                 )
 
     def check_topology(self, num_dcs: int) -> None:
@@ -437,23 +435,6 @@ def _positive_int(cfg: RunConfig, name: str, flag: str) -> None:
 
 
 # ---- parsing ------------------------------------------------------------------------------
-def _int(flag: str):
-    def parse(s: str) -> int:
-        try:
-            return int(s)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} takes a whole number, not {s!r}") from None
-
-    return parse
-
-
-def _float(s: str) -> float:
-    try:
-        return float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, not {s!r}") from None
-
-
 def parse_sizes(s: str, what: str = "--dc-sizes") -> tuple[int, ...]:
     try:
         return tuple(int(x) for x in s.split(",") if x.strip())
@@ -479,17 +460,92 @@ def parse_slowdown(s: str) -> dict[int, float]:
 class _Parser(argparse.ArgumentParser):
     """argparse that raises ConfigError (one line, reported once) instead of exiting."""
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.flag_owners: dict[str, type] = {}  # dest -> the algorithm class that added it
+
     def error(self, message: str):
         raise ConfigError(f"{message}: see python -m geompi.train --help")
+
+
+class _AlgorithmFlags:
+    """What an algorithm's ``add_arguments`` is handed: argparse's ``add_argument`` on the
+    algorithm's own help group, recording which class each flag belongs to."""
+
+    def __init__(self, group, owner: type, owners: dict[str, type]) -> None:
+        self._group, self._owner, self._owners = group, owner, owners
+
+    def add_argument(self, *args, **kwargs):
+        try:
+            action = self._group.add_argument(*args, **kwargs)
+        except (argparse.ArgumentError, ValueError, TypeError) as e:
+            raise ConfigError(
+                f"--sync {self._owner.name}: its flag {args[0] if args else '?'} cannot be "
+                f"added ({e}): rename it in {self._owner.__qualname__}.add_arguments"
+            ) from None
+        self._owners[action.dest] = self._owner
+        return action
+
+
+def _algorithm_classes(sync: str | None) -> list[type]:
+    """The classes whose flags the parser carries: the built-in algorithms, then ``sync``'s
+    class and its parents (base first) when it names another one."""
+    from geompi import sync as registry
+    from geompi.sync.base import Algorithm
+
+    out: list[type] = list(registry.BUILTIN)
+    if sync and sync.lower() not in {c.name for c in registry.BUILTIN}:
+        try:
+            cls = registry.lookup(sync)
+        except ConfigError:  # validate() (or an unknown flag) says it, in its turn
+            cls = Algorithm
+        out += [c for c in reversed(cls.__mro__) if issubclass(c, Algorithm) and c not in out]
+    return [c for c in out if c is not Algorithm and "add_arguments" in vars(c)]
+
+
+def _split_builtin(classes: list[type]) -> tuple[list[type], list[type]]:
+    from geompi import sync as registry
+
+    return [c for c in classes if c in registry.BUILTIN], [
+        c for c in classes if c not in registry.BUILTIN
+    ]
+
+
+def _add_algorithm_flags(p: _Parser, classes: list[type]) -> None:
+    """Each class's flags in its own help group (outside ones after all of geompi's, so a
+    name geompi has is refused as taken, whatever its group)."""
+    for cls in classes:
+        group = p.add_argument_group(f"--sync {cls.name}")
+        cls.add_arguments(_AlgorithmFlags(group, cls, p.flag_owners))
+
+
+def flag_owners(sync: str | None = None) -> dict[str, type]:
+    """Each algorithm flag's ``dest`` and the class that added it (built-in ones, and
+    ``sync``'s)."""
+    owners: dict[str, type] = {}
+    recorder = _Parser(add_help=False)
+    for cls in _algorithm_classes(sync):
+        cls.add_arguments(_AlgorithmFlags(recorder, cls, owners))
+    return owners
+
+
+def _sync_in(argv: Sequence[str]) -> str | None:
+    """``--sync``'s value in ``argv``, read before the full parse (whose flags depend on it)."""
+    pre = _Parser(add_help=False)
+    pre.add_argument("--sync")
+    ns, _ = pre.parse_known_args(list(argv))
+    return ns.sync
 
 
 def _one_of(names: Sequence[str]) -> str:
     return "{" + ",".join(names) + "}"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(sync: str | None = None) -> argparse.ArgumentParser:
     """The CLI's flags. Every help line names the choices and the default (flags default to
-    None here, so that an explicit flag can be told from a default; RunConfig holds those)."""
+    None here, so that an explicit flag can be told from a default; RunConfig holds those).
+    The algorithms add their own (``Algorithm.add_arguments``): the built-in ones always, and
+    ``sync``'s (a ``pkg.module:Class``, imported here) when it names one from outside."""
     from geompi.data import DATASETS
     from geompi.models import MODELS
     from geompi.ps.optim import OPTIMIZERS
@@ -511,40 +567,6 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--mixed-sync", action="store_true", help="GeoMX alias for --sync mixed")
     a.add_argument("--dcasgd", action="store_true", help="GeoMX alias for --optimizer dcasgd")
     a.add_argument(
-        "--k1", type=_int("--k1"), help=f"HFA: local steps per datacenter average (default {d.k1})"
-    )
-    a.add_argument(
-        "--k2",
-        type=_int("--k2"),
-        help=f"HFA: datacenter averages per global one (default {d.k2})",
-    )
-    a.add_argument(
-        "--hfa-weighting",
-        metavar="{samples,uniform}",
-        help=f"HFA: uniform = GeoMX, every datacenter counts the same (default {d.hfa_weighting})",
-    )
-    a.add_argument(
-        "--hfa-reset-optimizer",
-        action="store_true",
-        default=None,
-        help="HFA: reset the local optimizer's state at each global sync (default off)",
-    )
-    a.add_argument(
-        "--outer-optimizer",
-        metavar="{sgd,nesterov,adam,adamw}",
-        help="HFA: the global servers' outer optimizer, stepped on (global model - average "
-        f"of the datacenters) (default {d.outer_optimizer}: with lr 1, the plain average)",
-    )
-    a.add_argument(
-        "--outer-momentum",
-        type=_float,
-        help="HFA: the outer sgd/nesterov optimizer's momentum (default 0 for sgd, 0.9 for "
-        "nesterov)",
-    )
-    a.add_argument(
-        "--outer-lr", type=_float, help=f"HFA outer learning rate (default {d.outer_lr:g})"
-    )
-    a.add_argument(
         "--dcasgd-lambda", type=_float, help=f"DCASGD lambda (default {d.dcasgd_lambda:g})"
     )
     a.add_argument(
@@ -554,56 +576,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="DCASGD: adaptive lambda (default off)",
     )
     a.add_argument(
-        "--max-staleness",
-        type=_int("--max-staleness"),
-        help="MixedSync: most updates a datacenter may run ahead of the slowest "
-        "(default unbounded)",
-    )
-    a.add_argument(
         "--dc-slowdown",
         metavar="DC:FACTOR[,...]",
         help="emulation: e.g. 1:3 makes DC 1 3x slower (default none)",
     )
-    a.add_argument(
-        "--hfa-fragments",
-        type=_int("--hfa-fragments"),
-        help="streaming HFA: F fragments of the model, each global once per K2 datacenter "
-        f"rounds on its own staggered round (default {d.hfa_fragments}: plain HFA)",
-    )
-    a.add_argument(
-        "--hfa-overlap",
-        action="store_true",
-        default=None,
-        help="streaming HFA: a fragment's global exchange runs during the next K1 local steps "
-        "and merges at the next datacenter round (needs --k2 >= 2; default off)",
-    )
-    a.add_argument(
-        "--hfa-mix",
-        type=_float,
-        help="streaming HFA with overlap: mix * global + (1 - mix) * local "
-        f"(default {d.hfa_mix:g}: replace)",
-    )
-    a.add_argument(
-        "--adaptive-sync",
-        action="store_true",
-        default=None,
-        help="HFA: re-choose K2 after every global average from the measured WAN exchange and "
-        "datacenter-round compute, so the exchange takes about --wan-share of the time "
-        "(default off; starts at --k2, whose default is clamped into [--k2-min, --k2-max]; "
-        "with streaming too)",
-    )
-    a.add_argument(
-        "--k2-min", type=_int("--k2-min"), help=f"--adaptive-sync: smallest K2 (default {d.k2_min})"
-    )
-    a.add_argument(
-        "--k2-max", type=_int("--k2-max"), help=f"--adaptive-sync: largest K2 (default {d.k2_max})"
-    )
-    a.add_argument(
-        "--wan-share",
-        type=_float,
-        help=f"--adaptive-sync: the share of wall time the WAN exchange may take (with "
-        f"--hfa-overlap, of the link's time: it hides behind compute) (default {d.wan_share:g})",
-    )
+    builtin, outside = _split_builtin(_algorithm_classes(sync))
+    _add_algorithm_flags(p, builtin)
     w = p.add_argument_group("WAN emulation and compression (the global tier)")
     w.add_argument(
         "--wan-bandwidth", help="emulate each datacenter's WAN link, e.g. 100Mbit (default off)"
@@ -754,6 +732,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="on a lost rank: stop the job, or (under mpirun --with-ft ulfm) go on without it "
         f"(default {d.on_failure})",
     )
+    _add_algorithm_flags(p, outside)
     return p
 
 
@@ -835,8 +814,21 @@ def make_config(
     values = from_env(env)
     sources = values.pop("sources")
     if argv is not None:
-        ns = build_parser().parse_args(list(argv))
+        chosen = _sync_in(argv) or values.get("sync")
+        parser = build_parser(chosen)
+        ns, rest = parser.parse_known_args(list(argv))
+        if rest:  # a --sync that does not import explains its flags' absence first
+            if chosen:
+                from geompi import sync as registry
+
+                registry.lookup(chosen)
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
         cli = {k: v for k, v in vars(ns).items() if v is not None and v is not False}
+        own = {f.name for f in fields(RunConfig)}
+        extra = {k: cli.pop(k) for k in list(cli) if k in parser.flag_owners and k not in own}
+        if extra:
+            values["algorithm_args"] = extra
+            sources.update({k: "--" + k.replace("_", "-") for k in extra})
         if cli.pop("mixed_sync", False):
             if cli.get("sync", "mixed") != "mixed":
                 raise ConfigError(f"--mixed-sync conflicts with --sync {cli['sync']}: drop one")

@@ -163,7 +163,7 @@ def test_the_example_trains_through_the_api_and_the_cli(tmp_path):
     assert len({r[3] for r in rows}) == 1, "workers disagree on the final global model"
     args = ["-m", "geompi.train", "--sync", "examples.custom_algorithm:ClippedHFA"]
     args += ["--dc-sizes", "3,2", "--global-servers", "2", "--k1", "2", "--k2", "2"]
-    args += ["--model", "linear", "--steps", "8", "--outer-lr", "0.5"]
+    args += ["--model", "linear", "--steps", "8", "--outer-lr", "0.5", "--clip", "0.002"]
     args += ["--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "4"]
     res = mpirun(7, args, timeout=240, cwd=REPO)
     assert res.returncode == 0, res.stderr[-3000:]

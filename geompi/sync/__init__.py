@@ -11,7 +11,7 @@ import re
 from typing import Any
 
 from geompi.errors import ConfigError
-from geompi.sync.base import Algorithm
+from geompi.sync.base import Algorithm, number, whole_number
 from geompi.sync.fsa import FSA
 from geompi.sync.hfa import HFA
 from geompi.sync.mixed import MixedSync
@@ -141,6 +141,8 @@ __all__ = [
     "from_job",
     "load",
     "lookup",
+    "number",
     "register",
     "resolve",
+    "whole_number",
 ]

@@ -14,8 +14,10 @@ path the job carries.
 
 from __future__ import annotations
 
+import argparse
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -78,8 +80,29 @@ class Algorithm:
 
     @classmethod
     def from_config(cls, cfg) -> Algorithm:
-        """The algorithm the CLI's flags (a RunConfig) describe."""
-        return cls()
+        """The algorithm the CLI's flags (a RunConfig) describe: the class's defaults, and the
+        value of each flag of its own (``add_arguments``) whose ``dest`` names one of its
+        fields."""
+        return cls(**cls.flag_settings(cfg))
+
+    @classmethod
+    def add_arguments(cls, parser: Any) -> None:  # noqa: B027 - optional
+        """Add the command-line flags this class itself defines, with ``parser.add_argument``
+        (argparse's signature). The CLI calls it once for each class of ``--sync``'s method
+        resolution order that defines it (so do not call ``super()``: the parent's flags are
+        already there), and for the built-in algorithms always, so that ``--help`` lists
+        them and a flag given with another ``--sync`` is refused in one line. Give each flag
+        ``default=None`` (the defaults are the fields'), and a ``dest`` equal to the field
+        it sets: ``from_config`` reads it from there. See ``whole_number`` and ``number``
+        for argument types whose errors are one line."""
+
+    @classmethod
+    def flag_settings(cls, cfg) -> dict:
+        """The values of the flags given on the command line that set fields of ``cls``
+        (``cfg.algorithm_args``: the flags ``add_arguments`` added outside RunConfig)."""
+        names = {f.name for f in fields(cls)}
+        given = getattr(cfg, "algorithm_args", None) or {}
+        return {k: v for k, v in given.items() if k in names}
 
     def server_spec(self, optimizer: torch.optim.Optimizer) -> dict | None:
         """What the global servers need from the user's optimizer, sent in the INIT round."""
@@ -95,3 +118,23 @@ class Algorithm:
         ``common``: on_nonfinite, timeout, slowdown, wan, max_staleness (the job's defaults).
         """
         raise NotImplementedError
+
+
+def whole_number(flag: str) -> Callable[[str], int]:
+    """An argparse ``type`` for a whole-number flag: a bad value is one line naming it."""
+
+    def parse(s: str) -> int:
+        try:
+            return int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} takes a whole number, not {s!r}") from None
+
+    return parse
+
+
+def number(s: str) -> float:
+    """An argparse ``type`` for a real-number flag."""
+    try:
+        return float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, not {s!r}") from None

@@ -29,7 +29,7 @@ from geompi.ps.optim import (
     torch_optimizer,
 )
 from geompi.ps.protocol import MAX_KEYS
-from geompi.sync.base import Algorithm
+from geompi.sync.base import Algorithm, number, whole_number
 from geompi.sync.fsa import _sync_tier
 
 # HFA's default K2; with adaptive cadence, a K2 left at it starts clamped into [k2_min, k2_max]
@@ -154,6 +154,92 @@ class HFA(Algorithm):
             k2_min=cfg.k2_min,
             k2_max=cfg.k2_max,
             wan_share=cfg.wan_share,
+            **cls.flag_settings(cfg),  # a subclass's own flags (its add_arguments)
+        )
+
+    @classmethod
+    def add_arguments(cls, parser) -> None:
+        """HFA's flags (and streaming's, and adaptive cadence's); their values land in the
+        RunConfig fields of the same names, which ``from_config`` reads."""
+        add = parser.add_argument
+        add(
+            "--k1",
+            type=whole_number("--k1"),
+            help=f"local steps per datacenter average (default {cls.k1})",
+        )
+        add(
+            "--k2",
+            type=whole_number("--k2"),
+            help=f"datacenter averages per global one (default {cls.k2})",
+        )
+        add(
+            "--hfa-weighting",
+            metavar="{samples,uniform}",
+            help=f"uniform = GeoMX, every datacenter counts the same (default {cls.weighting})",
+        )
+        add(
+            "--hfa-reset-optimizer",
+            action="store_true",
+            default=None,
+            help="reset the local optimizer's state at each global sync (default off)",
+        )
+        add(
+            "--outer-optimizer",
+            metavar="{" + ",".join(OUTER_OPTIMIZERS) + "}",
+            help="the global servers' outer optimizer, stepped on (global model - average of the "
+            f"datacenters) (default {cls.outer_optimizer}: with lr 1, the plain average)",
+        )
+        add(
+            "--outer-momentum",
+            type=number,
+            help="the outer sgd/nesterov optimizer's momentum (default 0 for sgd, 0.9 for "
+            "nesterov)",
+        )
+        add("--outer-lr", type=number, help=f"outer learning rate (default {cls.outer_lr:g})")
+        add(
+            "--hfa-fragments",
+            type=whole_number("--hfa-fragments"),
+            help="streaming HFA: F fragments of the model, each global once per K2 datacenter "
+            f"rounds on its own staggered round (default {cls.fragments}: plain HFA)",
+        )
+        add(
+            "--hfa-overlap",
+            action="store_true",
+            default=None,
+            help="streaming HFA: a fragment's global exchange runs during the next K1 local steps "
+            "and merges at the next datacenter round (needs --k2 >= 2; default off)",
+        )
+        add(
+            "--hfa-mix",
+            type=number,
+            help="streaming HFA with overlap: mix * global + (1 - mix) * local "
+            f"(default {cls.mix:g}: replace)",
+        )
+        add(
+            "--adaptive-sync",
+            action="store_true",
+            default=None,
+            help="re-choose K2 after every global average from the measured WAN exchange and "
+            "datacenter-round compute, so the exchange takes about --wan-share of the time "
+            "(default off; starts at --k2, whose default is clamped into [--k2-min, --k2-max]; "
+            "with streaming too)",
+        )
+        add(
+            "--k2-min",
+            type=whole_number("--k2-min"),
+            help=f"--adaptive-sync: smallest K2 (default {cls.k2_min})",
+        )
+        add(
+            "--k2-max",
+            type=whole_number("--k2-max"),
+            help=f"--adaptive-sync: largest K2 (default {cls.k2_max})",
+        )
+        add(
+            "--wan-share",
+            type=number,
+            help="--adaptive-sync: the share of wall time the WAN exchange may take (with "
+            "--hfa-overlap, of the link's time: it hides behind compute) "
+            f"(default {cls.wan_share:g})",
         )
 
     def server_spec(self, optimizer: torch.optim.Optimizer) -> dict | None:

@@ -18,7 +18,7 @@ import torch
 
 from geompi.errors import ConfigError, positive_number
 from geompi.ps.optim import DCASGD, SGD, spec_to_dict
-from geompi.sync.base import Algorithm
+from geompi.sync.base import Algorithm, whole_number
 from geompi.sync.fsa import server_spec, servers_optimizer, spec_message
 
 
@@ -57,7 +57,16 @@ class MixedSync(Algorithm):
 
     @classmethod
     def from_config(cls, cfg) -> MixedSync:
-        return cls(max_staleness=cfg.max_staleness)  # the optimizer: cli_optimizer's spec
+        # the optimizer: cli_optimizer's spec
+        return cls(max_staleness=cfg.max_staleness, **cls.flag_settings(cfg))
+
+    @classmethod
+    def add_arguments(cls, parser) -> None:
+        parser.add_argument(
+            "--max-staleness",
+            type=whole_number("--max-staleness"),
+            help="most updates a datacenter may run ahead of the slowest (default unbounded)",
+        )
 
     def server_spec(self, optimizer: torch.optim.Optimizer) -> dict | None:
         """The global servers' optimizer, read from the user's (DCASGD: one param group)."""
