@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field, fields
 from numbers import Integral
 from typing import Any
 
-from geompi.errors import ConfigError
+from geompi.errors import MAX_LR, MAX_STEPS, ConfigError
 from geompi.factory import check_spec, is_spec
 from geompi.logs import LEVELS
 from geompi.sync.base import number as _float
@@ -32,13 +32,27 @@ SYNCS = ("fsa", "mixed", "hfa")  # --sync's choices: geompi.sync.REGISTRY's name
 ON_NONFINITE = ("abort", "skip")
 LOG_LEVELS = LEVELS  # --log-level (geompi.logs)
 
-# Bounds past which a setting is a typo, not a run: refused in one line before anything starts
-# (beyond them a value overflowed into a traceback, a crash, or a run of 4.6e18 steps).
-MAX_STEPS = 10**9  # --steps, --k1, --k2 and K1*K2, and the steps --epochs comes to
+# Bounds past which a setting is a typo, not a run (MAX_STEPS, MAX_LR: geompi.errors, which
+# the algorithms' checks read too).
 MAX_EPOCHS = 1e6
-MAX_LR = 1e4  # --lr, --outer-lr
 MAX_SEED = 2**64 - 1  # torch's generators take 64 bits
 MIN_COMM_TIMEOUT = 1.0  # seconds; below it every healthy peer looks lost
+
+# The settings geompi.init(...) takes (the job's: the algorithm comes with DistributedOptimizer)
+INIT_SETTINGS = (
+    "dcs",
+    "dc_sizes",
+    "global_servers",
+    "wan_bandwidth",
+    "wan_latency",
+    "lan_bandwidth",
+    "wan_compression",
+    "comm_timeout",
+    "on_nonfinite",
+    "max_staleness",
+    "lan_reduce",
+    "on_failure",
+)
 
 
 @dataclass
@@ -123,11 +137,11 @@ class RunConfig:
 
     @property
     def effective_momentum(self) -> float:
-        """0.9, but 0.5 where datacenters run apart (MixedSync): asynchrony already adds
-        implicit momentum."""
+        """The algorithm's default (``Algorithm.default_momentum``): 0.9, but 0.5 where
+        datacenters run apart (MixedSync): asynchrony already adds implicit momentum."""
         if self.momentum is not None:
             return self.momentum
-        return 0.5 if self.algorithm.independent_dcs else 0.9
+        return float(self.algorithm_class.default_momentum)
 
     @property
     def algorithm(self):
@@ -183,37 +197,14 @@ class RunConfig:
             raise ConfigError(
                 f"unknown --optimizer {self.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}"
             )
-        if self.optimizer == "dcasgd" and self.algorithm.local_steps:
-            raise ConfigError(
-                "--optimizer dcasgd runs at the global server of --sync mixed (or fsa): "
-                "use --sync mixed, or another --optimizer with hfa"
-            )
-        _positive_int(self, "batch_size", "--batch-size")
-        _positive_int(self, "k1", "--k1")
-        _positive_int(self, "k2", "--k2")
+        self.require_whole("batch_size", "--batch-size")
         if self.lr is not None and not (math.isfinite(self.lr) and self.lr > 0):
             raise ConfigError(f"--lr {self.lr}: the learning rate must be a finite number > 0")
         if self.lr is not None and self.lr > MAX_LR:
             raise ConfigError(f"--lr {self.lr:g}: the learning rate must be at most {MAX_LR:g}")
-        if not (math.isfinite(self.outer_lr) and self.outer_lr > 0):
-            raise ConfigError(f"--outer-lr {self.outer_lr}: must be a finite number > 0")
-        if self.outer_lr > MAX_LR:
-            raise ConfigError(f"--outer-lr {self.outer_lr:g}: must be at most {MAX_LR:g}")
         self._check_bounds()
-        if self.family == "hfa":  # its flags: the other algorithms take none of them
-            from geompi.sync.hfa import check_streaming
-
-            check_streaming(self.hfa_fragments, self.hfa_overlap, self.hfa_mix, self.k2)
-            if self.adaptive_sync:
-                self._check_adaptive()
-        elif self.hfa_fragments != 1 or self.hfa_overlap:
-            raise ConfigError("--hfa-fragments/--hfa-overlap are for --sync hfa: drop them")
-        elif self.adaptive_sync:
-            raise ConfigError("--adaptive-sync chooses HFA's K2: use it with --sync hfa")
-        given = [f for f in ("k2_min", "k2_max", "wan_share") if f in self.sources]
-        if given and not self.adaptive_sync:
-            flags = "/".join(self.sources[f] for f in given)
-            raise ConfigError(f"{flags} set --adaptive-sync's bounds: add --adaptive-sync")
+        self._check_algorithm_flags()  # a flag of another --sync: before that one's checks
+        self.algorithm_class.check_config(self)  # its own flags, in their words
         for name in ("effective_momentum", "weight_decay", "dcasgd_lambda"):
             v = getattr(self, name)
             name = name.replace("effective_", "")
@@ -225,11 +216,6 @@ class RunConfig:
             raise ConfigError(f"--epochs {self.epochs}: must be a number > 0")
         if self.steps is not None and self.epochs is not None:
             raise ConfigError("--steps and --epochs both given: pass only one of them")
-        if self.hfa_weighting not in ("samples", "uniform"):
-            raise ConfigError(
-                f"unknown --hfa-weighting {self.hfa_weighting!r}: choose samples or uniform"
-            )
-        self._check_outer()
         if self.log_level is not None and self.log_level.upper() not in LOG_LEVELS:
             raise ConfigError(
                 f"unknown --log-level {self.log_level!r}: choose one of {', '.join(LOG_LEVELS)}"
@@ -284,7 +270,6 @@ class RunConfig:
                 "--nesterov or pass --momentum 0.9"
             )
         self.wan_settings()
-        self._check_algorithm_flags()
         self.algorithm.validate()  # its own settings (an outside algorithm's flags), last
         return self
 
@@ -294,16 +279,11 @@ class RunConfig:
         if isinstance(seed, bool) or not isinstance(seed, Integral) or not 0 <= seed <= MAX_SEED:
             src = self.sources.get("seed", "--seed")
             raise ConfigError(f"{src} {seed!r}: must be a whole number from 0 to 2**64-1")
-        for name in ("steps", "k1", "k2"):
-            v = getattr(self, name)
-            if isinstance(v, int) and v > MAX_STEPS:
-                src = self.sources.get(name, "--" + name)
-                raise ConfigError(f"{src} {v}: must be at most {MAX_STEPS:.0e} steps")
-        if self.family == "hfa" and self.k1 * self.k2 > MAX_STEPS:
-            raise ConfigError(
-                f"--k1 {self.k1} x --k2 {self.k2} = {self.k1 * self.k2} steps between global "
-                f"averages: must be at most {MAX_STEPS:.0e}"
-            )
+        self.require_at_most_steps("steps")
+        for name in ("k1", "k2"):  # a variable a job's scripts share: checked under any --sync
+            if self.sources.get(name, "").startswith(("GEOMPI_", "MXNET_")):
+                self.require_whole(name, "--" + name)
+                self.require_at_most_steps(name)
         if self.epochs is not None and self.epochs > MAX_EPOCHS:
             raise ConfigError(f"--epochs {self.epochs:g}: must be at most {MAX_EPOCHS:g}")
         t = self.comm_timeout
@@ -330,38 +310,15 @@ class RunConfig:
             raise ConfigError(f"--sync {self.sync!r}: give a name or pkg.module:Class")
         sync.lookup(self.sync)
 
-    def _check_outer(self) -> None:
-        """``--outer-optimizer`` and ``--outer-momentum``, in the flags' words."""
-        from geompi.ps.optim import OUTER_OPTIMIZERS
-
-        if self.outer_optimizer not in OUTER_OPTIMIZERS:
-            raise ConfigError(
-                f"unknown --outer-optimizer {self.outer_optimizer!r}: choose one of "
-                f"{', '.join(OUTER_OPTIMIZERS)}"
-            )
-        m = self.outer_momentum
-        if m is None:
-            return
-        if not (math.isfinite(m) and 0 <= m < 1):
-            raise ConfigError(f"--outer-momentum {m}: must be a number in [0, 1)")
-        if self.outer_optimizer not in ("sgd", "nesterov"):
-            raise ConfigError(
-                f"--outer-momentum is for --outer-optimizer sgd or nesterov, not "
-                f"{self.outer_optimizer}: drop it (Adam's betas are its own)"
-            )
-        if m == 0 and self.outer_optimizer == "nesterov":
-            raise ConfigError("--outer-optimizer nesterov with --outer-momentum 0: give it > 0")
-
     def _check_algorithm_flags(self) -> None:
-        """Flags given on the command line that the chosen --sync does not read: each belongs
-        to the algorithm class whose ``add_arguments`` added it, and --sync's class must be
-        that one or derive from it."""
-        from geompi import sync as registry
-
-        chosen = registry.lookup(self.sync)
+        """Flags given on the command line (or keywords to make_config, not geompi.init's)
+        that the chosen --sync does not read: each belongs to the algorithm class whose
+        ``add_arguments`` added it, and --sync's class must be that one or derive from it."""
+        chosen = self.algorithm_class
         for name, owner in flag_owners(self.sync).items():
             src = self.sources.get(name, "")
-            if src.startswith("--") and owner not in chosen.__mro__:
+            given = src.startswith("--") or (src == name and name not in INIT_SETTINGS)
+            if given and owner not in chosen.__mro__:
                 raise ConfigError(
                     f"{src} is for --sync {owner.name}, not --sync {self.sync}: drop {src} or "
                     f"pass --sync {owner.name}"
@@ -402,21 +359,32 @@ class RunConfig:
                 raise ConfigError(f"--on-failure continue with {flag}: {why}; drop {flag}")
         check_launch()
 
-    def _check_adaptive(self) -> None:
-        """``--adaptive-sync``'s settings (HFA only)."""
-        from geompi.sync.hfa import check_adaptive
+    def require_whole(self, name: str, flag: str) -> None:
+        """The setting ``name`` is a whole number >= 1, or one line naming where it came from."""
+        v = getattr(self, name)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            src = self.sources.get(name, flag)
+            raise ConfigError(f"{src} {v!r}: must be a whole number >= 1")
 
-        _positive_int(self, "k2_min", "--k2-min")
-        _positive_int(self, "k2_max", "--k2-max")
-        flags = {"adaptive": "--adaptive-sync", "fragments": "--hfa-fragments"}
-        flags["overlap"] = "--hfa-overlap"
+    def require_at_most_steps(self, name: str) -> None:
+        """A count of steps (``steps``, ``k1``, ...) no larger than MAX_STEPS."""
+        v = getattr(self, name)
+        if isinstance(v, int) and v > MAX_STEPS:
+            src = self.sources.get(name, "--" + name.replace("_", "-"))
+            raise ConfigError(f"{src} {v}: must be at most {MAX_STEPS:.0e} steps")
 
-        def show(setting: str, value=None) -> str:  # a switch (adaptive=True) is its flag
-            flag = self.sources.get(setting, flags.get(setting, "--" + setting.replace("_", "-")))
-            return flag if value is None or value is True else f"{flag} {value}"
+    def show(self, setting: str, value=None, flag: str | None = None) -> str:
+        """A setting as its user gave it (``--k2-max 4``, ``GEOMPI_HFA_K2 4``); without a value,
+        or for a switch, its name alone."""
+        name = self.sources.get(setting, flag or "--" + setting.replace("_", "-"))
+        return name if value is None or value is True else f"{name} {value}"
 
-        k2 = self.k2 if "k2" in self.sources else None  # else its default, clamped
-        check_adaptive(k2, self.k2_min, self.k2_max, self.wan_share, self.hfa_overlap, show)
+    @property
+    def algorithm_class(self):
+        """``--sync``'s class (geompi.sync's registry; imported if a path)."""
+        from geompi import sync
+
+        return sync.lookup(self.sync)
 
     @property
     def starting_k2(self) -> int:
@@ -425,13 +393,6 @@ class RunConfig:
         if self.adaptive_sync and "k2" not in self.sources:
             return min(max(self.k2, self.k2_min), self.k2_max)
         return self.k2
-
-
-def _positive_int(cfg: RunConfig, name: str, flag: str) -> None:
-    v = getattr(cfg, name)
-    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-        src = cfg.sources.get(name, flag)
-        raise ConfigError(f"{src} {v!r}: must be a whole number >= 1")
 
 
 # ---- parsing ------------------------------------------------------------------------------

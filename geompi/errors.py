@@ -12,6 +12,11 @@ from geompi.logs import emit
 
 PREFIX = "geompi: error: "  # the start of every error line a user sees
 
+# Bounds past which a setting is a typo, not a run: refused in one line before anything starts
+# (beyond them a value overflowed into a traceback, a crash, or a run of 4.6e18 steps).
+MAX_STEPS = 10**9  # --steps, --k1, --k2 and K1*K2, and the steps --epochs comes to
+MAX_LR = 1e4  # --lr, --outer-lr
+
 
 def say(msg: str) -> None:
     """One line through the ``geompi`` logger (geompi.logs): ERROR for ``geompi: error:``,

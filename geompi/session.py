@@ -21,7 +21,7 @@ from geompi.comm import callwatch, faults, heartbeat
 from geompi.comm.poll import Backoff, spin_until
 from geompi.comm.topology import Communicators, Role, Topology, node_share
 from geompi.comm.transport import LinkStats
-from geompi.config import RunConfig, make_config
+from geompi.config import INIT_SETTINGS, RunConfig, make_config
 from geompi.errors import ConfigError, GeompiError, ProtocolError
 
 if TYPE_CHECKING:  # mpi4py's stubs; importing it at run time would start MPI
@@ -30,20 +30,6 @@ if TYPE_CHECKING:  # mpi4py's stubs; importing it at run time would start MPI
     from geompi.runtime import StopRequest
 
 # Settings of ``init()`` that come from RunConfig (keywords override GEOMPI_* variables).
-INIT_SETTINGS = (
-    "dcs",
-    "dc_sizes",
-    "global_servers",
-    "wan_bandwidth",
-    "wan_latency",
-    "lan_bandwidth",
-    "wan_compression",
-    "comm_timeout",
-    "on_nonfinite",
-    "max_staleness",
-    "lan_reduce",
-    "on_failure",
-)
 
 
 @dataclass

@@ -252,10 +252,10 @@ def test_dcasgd_with_hfa_is_rejected() -> None:
         (["--model", "resnet50"], "--model 'resnet50'"),
         (["--dataset", "cifar10"], "--dataset 'cifar10'"),
         (["--optimizer", "rmsprop"], "--optimizer 'rmsprop'"),
-        (["--k1", "0"], "--k1 0"),
-        (["--k1=-3"], "--k1 -3"),
-        (["--k2", "0"], "--k2 0"),
-        (["--k2=-1"], "--k2 -1"),
+        (["--sync", "hfa", "--k1", "0"], "--k1 0"),
+        (["--sync", "hfa", "--k1=-3"], "--k1 -3"),
+        (["--sync", "hfa", "--k2", "0"], "--k2 0"),
+        (["--sync", "hfa", "--k2=-1"], "--k2 -1"),
         (["--batch-size", "0"], "--batch-size 0"),
         (["--batch-size=-16"], "--batch-size -16"),
         (["--lr", "nan"], "--lr nan"),
@@ -287,7 +287,7 @@ def test_dcasgd_with_hfa_is_rejected() -> None:
         (["--sync", "pkg:"], "--sync pkg:: write MODULE:CLASS"),
         (["--on-nonfinite", "ignore"], "--on-nonfinite"),
         (["--dc-map", "racks"], "--dc-map"),
-        (["--max-staleness", "0"], "--max-staleness 0"),
+        (["--sync", "mixed", "--max-staleness", "0"], "--max-staleness 0"),
         (["--bucket-mb", "0"], "--bucket-mb 0"),
         (["--comm-timeout", "0"], "--comm-timeout 0"),
         (["--comm-timeout", "nan"], "--comm-timeout nan"),  # NaN > 0 is False, so was NaN <= 0
@@ -297,7 +297,7 @@ def test_dcasgd_with_hfa_is_rejected() -> None:
         (["--lan-reduce", "ring"], "unknown --lan-reduce 'ring': choose one of auto"),
         (["--sync", "hfa", "--k2-max", "8"], "--k2-max set --adaptive-sync's bounds: add"),
         (["--sync", "hfa", "--k2-min", "2", "--wan-share", "0.2"], "--k2-min/--wan-share set"),
-        (["--adaptive-sync"], "--adaptive-sync chooses HFA's K2: use it with --sync hfa"),
+        (["--adaptive-sync"], "--adaptive-sync is for --sync hfa, not --sync fsa"),
         (["--sync", "hfa", "--adaptive-sync", "--k2-min", "0"], "--k2-min 0"),
         (["--sync", "hfa", "--adaptive-sync", "--k2-min", "5", "--k2-max", "2"], "--k2-min 5 is"),
         (["--sync", "hfa", "--adaptive-sync", "--k2", "8", "--k2-max", "4"], "--k2 8: the start"),
@@ -364,7 +364,7 @@ def test_adaptive_sync_flags_make_the_algorithm() -> None:
 @pytest.mark.parametrize("k1", [1.5, "2", True, 0])
 def test_validate_rejects_non_integer_k1_keyword(k1) -> None:
     with pytest.raises(ConfigError) as exc:
-        cfg(k1=k1).validate()
+        cfg(k1=k1, sync="hfa").validate()
     assert "whole number" in one_line(exc)
 
 

@@ -173,7 +173,7 @@ def test_schedule_with_one_fragment_is_every_k2th_round():
         (dict(sync="hfa", hfa_fragments=0), "--hfa-fragments 0"),
         (dict(sync="hfa", hfa_mix=1.5), "--hfa-mix 1.5"),
         (dict(sync="hfa", k2=2, hfa_fragments=2, hfa_mix=0.5), "0.5 mixes .* add --hfa-overlap"),
-        (dict(sync="fsa", hfa_fragments=2), "are for --sync hfa"),
+        (dict(sync="fsa", hfa_fragments=2), "hfa_fragments is for --sync hfa, not --sync fsa"),
         (
             dict(sync="hfa", k1=4, k2=2, hfa_fragments=2, checkpoint_dir="/x", checkpoint_every=6),
             "not a multiple of K1 = 4",

@@ -36,6 +36,8 @@ class Algorithm:
     # Where the global servers run the optimizer: a change of the user's hyperparameters (an
     # lr schedule) travels with the next round and the servers update theirs in place.
     follows_hyperparameters: ClassVar[bool] = False
+    # The CLI's --momentum when not given (RunConfig.effective_momentum).
+    default_momentum: ClassVar[float] = 0.9
     # What a datacenter lost under on_failure="continue" takes with it (the line says).
     left_with: ClassVar[str] = "their updates since the last global average"  # HFA's
 
@@ -95,6 +97,13 @@ class Algorithm:
         ``default=None`` (the defaults are the fields'), and a ``dest`` equal to the field
         it sets: ``from_config`` reads it from there. See ``whole_number`` and ``number``
         for argument types whose errors are one line."""
+
+    @classmethod
+    def check_config(cls, cfg) -> None:  # noqa: B027 - optional
+        """Check the CLI's settings this algorithm reads (a RunConfig), in the words its user
+        gave them (``cfg.show(setting, value)``: the flag or variable); one ConfigError line.
+        Runs in ``RunConfig.validate`` on every rank before any collective; ``validate()`` of
+        the built algorithm runs after it."""
 
     @classmethod
     def flag_settings(cls, cfg) -> dict:

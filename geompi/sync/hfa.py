@@ -18,7 +18,7 @@ from typing import ClassVar
 
 import torch
 
-from geompi.errors import ConfigError, positive_number
+from geompi.errors import MAX_LR, MAX_STEPS, ConfigError, positive_number
 from geompi.ps.optim import (
     OUTER_OPTIMIZERS,
     SGD,
@@ -156,6 +156,48 @@ class HFA(Algorithm):
             wan_share=cfg.wan_share,
             **cls.flag_settings(cfg),  # a subclass's own flags (its add_arguments)
         )
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        """HFA's flags, in their words (the API's ``HFA(...)`` is checked by ``validate``)."""
+        if cfg.optimizer == "dcasgd":
+            raise ConfigError(
+                "--optimizer dcasgd runs at the global server of --sync mixed (or fsa): "
+                "use --sync mixed, or another --optimizer with hfa"
+            )
+        for name in ("k1", "k2"):
+            cfg.require_whole(name, "--" + name)
+            cfg.require_at_most_steps(name)
+        if cfg.k1 * cfg.k2 > MAX_STEPS:
+            raise ConfigError(
+                f"--k1 {cfg.k1} x --k2 {cfg.k2} = {cfg.k1 * cfg.k2} steps between global "
+                f"averages: must be at most {MAX_STEPS:.0e}"
+            )
+        if not positive_number(cfg.outer_lr):
+            raise ConfigError(f"--outer-lr {cfg.outer_lr}: must be a finite number > 0")
+        if cfg.outer_lr > MAX_LR:
+            raise ConfigError(f"--outer-lr {cfg.outer_lr:g}: must be at most {MAX_LR:g}")
+        check_streaming(cfg.hfa_fragments, cfg.hfa_overlap, cfg.hfa_mix, cfg.k2)
+        if cfg.adaptive_sync:
+            cfg.require_whole("k2_min", "--k2-min")
+            cfg.require_whole("k2_max", "--k2-max")
+            flags = {"adaptive": "--adaptive-sync", "fragments": "--hfa-fragments"}
+            flags["overlap"] = "--hfa-overlap"
+
+            def show(setting: str, value=None) -> str:
+                return cfg.show(setting, value, flags.get(setting))
+
+            k2 = cfg.k2 if "k2" in cfg.sources else None  # else its default, clamped
+            check_adaptive(k2, cfg.k2_min, cfg.k2_max, cfg.wan_share, cfg.hfa_overlap, show)
+        given = [f for f in ("k2_min", "k2_max", "wan_share") if f in cfg.sources]
+        if given and not cfg.adaptive_sync:
+            flags_given = "/".join(cfg.sources[f] for f in given)
+            raise ConfigError(f"{flags_given} set --adaptive-sync's bounds: add --adaptive-sync")
+        if cfg.hfa_weighting not in ("samples", "uniform"):
+            raise ConfigError(
+                f"unknown --hfa-weighting {cfg.hfa_weighting!r}: choose samples or uniform"
+            )
+        _check_outer_flags(cfg.outer_optimizer, cfg.outer_momentum)
 
     @classmethod
     def add_arguments(cls, parser) -> None:
@@ -309,6 +351,25 @@ def check_outer(name, kwargs) -> None:
 
 # Streaming HFA's most fragments: each is at least one key of the rounds (protocol.MAX_KEYS).
 MAX_FRAGMENTS = 64
+
+
+def _check_outer_flags(optimizer: str, momentum: float | None) -> None:
+    """``--outer-optimizer`` and ``--outer-momentum``, in the flags' words."""
+    if optimizer not in OUTER_OPTIMIZERS:
+        raise ConfigError(
+            f"unknown --outer-optimizer {optimizer!r}: choose one of {', '.join(OUTER_OPTIMIZERS)}"
+        )
+    if momentum is None:
+        return
+    if not (math.isfinite(momentum) and 0 <= momentum < 1):
+        raise ConfigError(f"--outer-momentum {momentum}: must be a number in [0, 1)")
+    if optimizer not in ("sgd", "nesterov"):
+        raise ConfigError(
+            f"--outer-momentum is for --outer-optimizer sgd or nesterov, not {optimizer}: drop "
+            "it (Adam's betas are its own)"
+        )
+    if momentum == 0 and optimizer == "nesterov":
+        raise ConfigError("--outer-optimizer nesterov with --outer-momentum 0: give it > 0")
 
 
 def check_streaming(

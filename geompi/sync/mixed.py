@@ -32,6 +32,7 @@ class MixedSync(Algorithm):
     # Each datacenter's first worker sends its hyperparameters when they change; a deposit is
     # stepped with its own datacenter's (geompi.ps.async_tier).
     follows_hyperparameters: ClassVar[bool] = True
+    default_momentum: ClassVar[float] = 0.5  # the CLI's: asynchrony adds implicit momentum
     left_with: ClassVar[str] = "the round under way (every deposit made before it is applied)"
     dcasgd: bool = False  # delay-compensated SGD with the user's SGD learning rate
     dcasgd_lambda: float = 0.04
