@@ -507,10 +507,6 @@ def build_parser(sync: str | None = None) -> argparse.ArgumentParser:
     None here, so that an explicit flag can be told from a default; RunConfig holds those).
     The algorithms add their own (``Algorithm.add_arguments``): the built-in ones always, and
     ``sync``'s (a ``pkg.module:Class``, imported here) when it names one from outside."""
-    from geompi.data import DATASETS
-    from geompi.models import MODELS
-    from geompi.ps.optim import OPTIMIZERS
-
     d = RunConfig()
     p = _Parser(
         prog="python -m geompi.train",
@@ -519,6 +515,19 @@ def build_parser(sync: str | None = None) -> argparse.ArgumentParser:
         epilog="GEOMPI_* environment variables (GEOMPI_SYNC, GEOMPI_DCS, GEOMPI_HFA_K1, ...) "
         "set the same values; a flag wins. GEOMPI_THREADS sets torch threads per rank.",
     )
+    _algorithm_flags(p, d)
+    builtin, outside = _split_builtin(_algorithm_classes(sync))
+    _add_algorithm_flags(p, builtin)
+    _wan_flags(p, d)
+    _topology_flags(p, d)
+    _model_flags(p, d)
+    _output_flags(p, d)
+    _add_algorithm_flags(p, outside)
+    return p
+
+
+def _algorithm_flags(p: _Parser, d: RunConfig) -> None:
+    """The algorithm's flags that every --sync shares (each algorithm adds its own)."""
     a = p.add_argument_group("algorithm")
     a.add_argument(
         "--sync",
@@ -541,8 +550,10 @@ def build_parser(sync: str | None = None) -> argparse.ArgumentParser:
         metavar="DC:FACTOR[,...]",
         help="emulation: e.g. 1:3 makes DC 1 3x slower (default none)",
     )
-    builtin, outside = _split_builtin(_algorithm_classes(sync))
-    _add_algorithm_flags(p, builtin)
+
+
+def _wan_flags(p: _Parser, d: RunConfig) -> None:
+    """The emulated links and the WAN codec."""
     w = p.add_argument_group("WAN emulation and compression (the global tier)")
     w.add_argument(
         "--wan-bandwidth", help="emulate each datacenter's WAN link, e.g. 100Mbit (default off)"
@@ -556,6 +567,10 @@ def build_parser(sync: str | None = None) -> argparse.ArgumentParser:
         metavar="{none,fp16,bf16,int8,int4,topk:F,topk:F+int8}",
         help=f"compress the global tier (default {d.wan_compression})",
     )
+
+
+def _topology_flags(p: _Parser, d: RunConfig) -> None:
+    """Datacenters, servers, placement."""
     t = p.add_argument_group("topology")
     t.add_argument(
         "--dcs", type=_int("--dcs"), help="number of datacenters (default: from the world size)"
@@ -573,6 +588,22 @@ def build_parser(sync: str | None = None) -> argparse.ArgumentParser:
         metavar="{blocks,nodes}",
         help=f"nodes: one datacenter per node (default {d.dc_map})",
     )
+    t.add_argument(
+        "--lan-reduce",
+        metavar=_one_of(LAN_REDUCE),
+        help="how a datacenter sums its workers' pushes: scatter = reduce-scatter among the "
+        "workers, so the local server takes in one copy of the model, not one per worker; "
+        "auto = scatter from 4 workers and 1 MiB per round where a datacenter spans nodes "
+        f"(default {d.lan_reduce})",
+    )
+
+
+def _model_flags(p: _Parser, d: RunConfig) -> None:
+    """Model, data and optimizer."""
+    from geompi.data import DATASETS
+    from geompi.models import MODELS
+    from geompi.ps.optim import OPTIMIZERS
+
     m = p.add_argument_group("model and data")
     m.add_argument(
         "--model",
@@ -633,14 +664,10 @@ def build_parser(sync: str | None = None) -> argparse.ArgumentParser:
     m.add_argument(
         "--bucket-mb", type=_float, help=f"gradient bucket size in MB (default {d.bucket_mb:g})"
     )
-    t.add_argument(
-        "--lan-reduce",
-        metavar=_one_of(LAN_REDUCE),
-        help="how a datacenter sums its workers' pushes: scatter = reduce-scatter among the "
-        "workers, so the local server takes in one copy of the model, not one per worker; "
-        "auto = scatter from 4 workers and 1 MiB per round where a datacenter spans nodes "
-        f"(default {d.lan_reduce})",
-    )
+
+
+def _output_flags(p: _Parser, d: RunConfig) -> None:
+    """Output, checkpoints and reliability."""
     o = p.add_argument_group("output, checkpoints, reliability")
     o.add_argument(
         "--eval-every",
@@ -693,8 +720,6 @@ def build_parser(sync: str | None = None) -> argparse.ArgumentParser:
         help="on a lost rank: stop the job, or (under mpirun --with-ft ulfm) go on without it "
         f"(default {d.on_failure})",
     )
-    _add_algorithm_flags(p, outside)
-    return p
 
 
 _ENV = {
