@@ -343,125 +343,13 @@ class _Reader:
             self.problem(f"cannot be opened ({_reason(e)})", fatal=True)
             raise AssertionError("unreachable") from None
         try:
-            self.scan(f, size)
+            _Structure(self).scan(f, size)
             if not self.digested and not self.legacy:
                 self.problem(LEGACY_LINE, fatal=True)
         except BaseException:
             f.close()
             raise
         return f
-
-    # structure, before anything is read
-
-    def scan(self, f: h5py.File, file_size: int) -> None:
-        """Refuse (fatal, one line) whatever geompi never writes, without following anything.
-
-        Walks the groups with the low-level API: links are looked at, never traversed (an
-        external link to a FIFO would block, one to another file would read foreign data); each
-        object must be reached by exactly one hard link (no cycles, no aliases); datasets are
-        numeric, stored in this file (no external storage, no virtual datasets), filtered by
-        fletcher32 alone, and declare no more bytes than the file holds; attributes are single
-        numbers or text. No dataset is read here.
-        """
-        try:
-            self._scan(f, file_size)
-        except _HOSTILE_ERRORS as e:
-            self.problem(
-                f"cannot be read ({_reason(e)}): the file is damaged or was not written by "
-                "geompi; use an earlier checkpoint",
-                fatal=True,
-            )
-
-    def _scan(self, f: h5py.File, file_size: int) -> None:
-        self.digested = DIGEST_ATTR in f.attrs  # (its name only: no value is read yet)
-        root = f.id
-        seen = {h5py.h5o.get_info(root).addr}
-        self._scan_attrs(root, "/")
-        stack: list[tuple[h5py.h5g.GroupID, str, int]] = [(root, "/", 0)]
-        objects = 0
-        declared = 0
-        while stack:
-            gid, path, depth = stack.pop()
-            names = _link_names(gid, MAX_OBJECTS - objects + 1)
-            objects += len(names)
-            if objects > MAX_OBJECTS:
-                self.problem(f"holds more than {MAX_OBJECTS} objects", fatal=True)
-            for raw in names:
-                name = path.rstrip("/") + "/" + raw.decode("utf-8", "replace")
-                check_link(gid, raw, name, self.fatal, _untrusted)
-                oid = h5py.h5o.open(gid, raw)
-                oinfo = h5py.h5o.get_info(oid)
-                if oinfo.type == h5py.h5o.TYPE_NAMED_DATATYPE:
-                    self.problem(_untrusted(f"{name} is a committed datatype"), fatal=True)
-                if oinfo.rc != 1 or oinfo.addr in seen:
-                    self.problem(
-                        _untrusted(
-                            f"{name} is one of {max(oinfo.rc, 2)} hard links to one object (a "
-                            "link cycle or an alias)"
-                        ),
-                        fatal=True,
-                    )
-                seen.add(oinfo.addr)
-                if oinfo.type == h5py.h5o.TYPE_GROUP:
-                    if depth + 1 > MAX_GROUP_DEPTH:
-                        self.problem(
-                            f"{name} is nested too deep (more than {MAX_GROUP_DEPTH} groups "
-                            "inside each other); geompi never writes that, so the file was not "
-                            "written by geompi: use a checkpoint written by geompi",
-                            fatal=True,
-                        )
-                    self._scan_attrs(oid, name)
-                    stack.append((oid, name, depth + 1))
-                elif oinfo.type == h5py.h5o.TYPE_DATASET:
-                    declared += self._scan_dataset(oid, name, file_size)
-                    if declared > file_size:
-                        self.problem(
-                            f"its datasets declare {declared} bytes in all, more than the whole "
-                            f"file ({file_size} bytes); geompi stores every byte uncompressed, "
-                            "so the file was not written by geompi: use a checkpoint written by "
-                            "geompi",
-                            fatal=True,
-                        )
-                    self._scan_attrs(oid, name)
-                else:
-                    self.problem(_untrusted(f"{name} is an HDF5 object of type {oinfo.type}"), True)
-
-    def _scan_dataset(self, dsid: h5py.h5d.DatasetID, name: str, file_size: int) -> int:
-        """Structural checks of one dataset; returns the bytes it declares."""
-        return check_dataset(dsid, name, file_size, _CKPT_DATASETS, self.fatal, _untrusted)
-
-    def _scan_attrs(self, oid: h5py.h5o.ObjectID, path: str) -> None:
-        n = h5py.h5a.get_num_attrs(oid)
-        if n > MAX_ATTRS:
-            self.problem(f"{path} has {n} attributes, more than {MAX_ATTRS}", fatal=True)
-        for i in range(n):
-            aid = h5py.h5a.open(oid, index=i)
-            where = _attr_where(path, aid.name.decode("utf-8", "replace"))
-            tid = aid.get_type()
-            if tid.committed():
-                self.problem(_untrusted(f"attribute {where} uses a committed datatype"), True)
-            kind = aid.get_space().get_simple_extent_type()
-            if kind != h5py.h5s.SCALAR:
-                shape = "no value" if kind == h5py.h5s.NULL else f"shape {aid.shape}"
-                self.problem(
-                    _untrusted(f"attribute {where} is an array or empty ({shape}), not one value"),
-                    fatal=True,
-                )
-            if not scalar_attr_type(tid):
-                self.problem(
-                    _untrusted(f"attribute {where} holds {type_name(tid)} data"), fatal=True
-                )
-            if tid.get_class() == h5py.h5t.STRING and tid.is_variable_str() and self.digested:
-                self.problem(
-                    _untrusted(
-                        f"attribute {where} holds variable-length text (kept in HDF5's global "
-                        "heap, which has no checksum)"
-                    ),
-                    fatal=True,
-                )
-            if tid.get_class() == h5py.h5t.STRING and not tid.is_variable_str():
-                if tid.get_size() > MAX_ATTR_BYTES:
-                    self.problem(_attr_too_big(where, tid.get_size()), fatal=True)
 
     # attributes
 
@@ -747,6 +635,126 @@ class _Reader:
         elif isinstance(obj, h5py.Group):
             for child in obj.values():
                 self._touch(child)
+
+
+class _Structure:
+    """The structure of an untrusted file, checked before anything is read: problems go to
+    the reader's ``problem``/``fatal``; whether the file carries a digest is set on it."""
+
+    def __init__(self, reader: _Reader) -> None:
+        self.r = reader
+
+    def scan(self, f: h5py.File, file_size: int) -> None:
+        """Refuse (fatal, one line) whatever geompi never writes, without following anything.
+
+        Walks the groups with the low-level API: links are looked at, never traversed (an
+        external link to a FIFO would block, one to another file would read foreign data); each
+        object must be reached by exactly one hard link (no cycles, no aliases); datasets are
+        numeric, stored in this file (no external storage, no virtual datasets), filtered by
+        fletcher32 alone, and declare no more bytes than the file holds; attributes are single
+        numbers or text. No dataset is read here.
+        """
+        try:
+            self._scan(f, file_size)
+        except _HOSTILE_ERRORS as e:
+            self.r.problem(
+                f"cannot be read ({_reason(e)}): the file is damaged or was not written by "
+                "geompi; use an earlier checkpoint",
+                fatal=True,
+            )
+
+    def _scan(self, f: h5py.File, file_size: int) -> None:
+        self.r.digested = DIGEST_ATTR in f.attrs  # (its name only: no value is read yet)
+        root = f.id
+        seen = {h5py.h5o.get_info(root).addr}
+        self._scan_attrs(root, "/")
+        stack: list[tuple[h5py.h5g.GroupID, str, int]] = [(root, "/", 0)]
+        objects = 0
+        declared = 0
+        while stack:
+            gid, path, depth = stack.pop()
+            names = _link_names(gid, MAX_OBJECTS - objects + 1)
+            objects += len(names)
+            if objects > MAX_OBJECTS:
+                self.r.problem(f"holds more than {MAX_OBJECTS} objects", fatal=True)
+            for raw in names:
+                name = path.rstrip("/") + "/" + raw.decode("utf-8", "replace")
+                check_link(gid, raw, name, self.r.fatal, _untrusted)
+                oid = h5py.h5o.open(gid, raw)
+                oinfo = h5py.h5o.get_info(oid)
+                if oinfo.type == h5py.h5o.TYPE_NAMED_DATATYPE:
+                    self.r.problem(_untrusted(f"{name} is a committed datatype"), fatal=True)
+                if oinfo.rc != 1 or oinfo.addr in seen:
+                    self.r.problem(
+                        _untrusted(
+                            f"{name} is one of {max(oinfo.rc, 2)} hard links to one object (a "
+                            "link cycle or an alias)"
+                        ),
+                        fatal=True,
+                    )
+                seen.add(oinfo.addr)
+                if oinfo.type == h5py.h5o.TYPE_GROUP:
+                    if depth + 1 > MAX_GROUP_DEPTH:
+                        self.r.problem(
+                            f"{name} is nested too deep (more than {MAX_GROUP_DEPTH} groups "
+                            "inside each other); geompi never writes that, so the file was not "
+                            "written by geompi: use a checkpoint written by geompi",
+                            fatal=True,
+                        )
+                    self._scan_attrs(oid, name)
+                    stack.append((oid, name, depth + 1))
+                elif oinfo.type == h5py.h5o.TYPE_DATASET:
+                    declared += self._scan_dataset(oid, name, file_size)
+                    if declared > file_size:
+                        self.r.problem(
+                            f"its datasets declare {declared} bytes in all, more than the whole "
+                            f"file ({file_size} bytes); geompi stores every byte uncompressed, "
+                            "so the file was not written by geompi: use a checkpoint written by "
+                            "geompi",
+                            fatal=True,
+                        )
+                    self._scan_attrs(oid, name)
+                else:
+                    self.r.problem(
+                        _untrusted(f"{name} is an HDF5 object of type {oinfo.type}"), True
+                    )
+
+    def _scan_dataset(self, dsid: h5py.h5d.DatasetID, name: str, file_size: int) -> int:
+        """Structural checks of one dataset; returns the bytes it declares."""
+        return check_dataset(dsid, name, file_size, _CKPT_DATASETS, self.r.fatal, _untrusted)
+
+    def _scan_attrs(self, oid: h5py.h5o.ObjectID, path: str) -> None:
+        n = h5py.h5a.get_num_attrs(oid)
+        if n > MAX_ATTRS:
+            self.r.problem(f"{path} has {n} attributes, more than {MAX_ATTRS}", fatal=True)
+        for i in range(n):
+            aid = h5py.h5a.open(oid, index=i)
+            where = _attr_where(path, aid.name.decode("utf-8", "replace"))
+            tid = aid.get_type()
+            if tid.committed():
+                self.r.problem(_untrusted(f"attribute {where} uses a committed datatype"), True)
+            kind = aid.get_space().get_simple_extent_type()
+            if kind != h5py.h5s.SCALAR:
+                shape = "no value" if kind == h5py.h5s.NULL else f"shape {aid.shape}"
+                self.r.problem(
+                    _untrusted(f"attribute {where} is an array or empty ({shape}), not one value"),
+                    fatal=True,
+                )
+            if not scalar_attr_type(tid):
+                self.r.problem(
+                    _untrusted(f"attribute {where} holds {type_name(tid)} data"), fatal=True
+                )
+            if tid.get_class() == h5py.h5t.STRING and tid.is_variable_str() and self.r.digested:
+                self.r.problem(
+                    _untrusted(
+                        f"attribute {where} holds variable-length text (kept in HDF5's global "
+                        "heap, which has no checksum)"
+                    ),
+                    fatal=True,
+                )
+            if tid.get_class() == h5py.h5t.STRING and not tid.is_variable_str():
+                if tid.get_size() > MAX_ATTR_BYTES:
+                    self.r.problem(_attr_too_big(where, tid.get_size()), fatal=True)
 
 
 def load(
