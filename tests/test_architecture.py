@@ -180,3 +180,31 @@ def test_the_graph_is_read():
     assert "session" in g["optimizer"]
     assert len(g) > 40 and sum(len(v) for v in g.values()) > 100
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]
+
+
+# The longest function in geompi (lines, decorators excluded), as a ratchet towards the
+# design's bound of 120: it may only fall.
+LONGEST_FUNCTION_ALLOWED = 169
+FUNCTION_BOUND = 120
+
+
+def function_lengths() -> list[tuple[int, str]]:
+    out = []
+    for path in sorted(PKG.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                n = (node.end_lineno or node.lineno) - node.lineno + 1
+                out.append((n, f"{path.relative_to(PKG)}:{node.lineno} {node.name}"))
+    return sorted(out, reverse=True)
+
+
+def test_no_function_grows_past_the_longest_of_today():
+    found = function_lengths()
+    assert found and found[0][0] <= LONGEST_FUNCTION_ALLOWED, (
+        f"{found[0][1]} is {found[0][0]} lines (allowed {LONGEST_FUNCTION_ALLOWED}): split it"
+    )
+    assert found[0][0] >= LONGEST_FUNCTION_ALLOWED - 5, (
+        f"the longest function is {found[0][0]} lines now: lower LONGEST_FUNCTION_ALLOWED"
+    )
+    over = [where for n, where in found if n > FUNCTION_BOUND]
+    assert len(over) <= 4, f"{len(over)} functions over {FUNCTION_BOUND} lines: {over}"
