@@ -57,9 +57,10 @@ class Setting:
     def describe(self) -> str:
         a = self.algorithm
         parts = []
-        for name in ("k1", "k2", "fragments"):
-            if hasattr(a, name):
-                parts.append(f"{name.upper() if name != 'fragments' else 'F'}={getattr(a, name)}")
+        for name, shown in (("k1", "K1"), ("k2", "K2"), ("fragments", "F")):
+            value = getattr(a, name, None)
+            if value is not None and (name != "fragments" or value > 1):
+                parts.append(f"{shown}={value}")
         if getattr(a, "overlap", False):
             parts.append("overlap")
         parts.append(self.codec)
