@@ -261,7 +261,7 @@ def measure_step(
 class _Parser(argparse.ArgumentParser):
     """argparse whose errors are one ConfigError line."""
 
-    def error(self, message: str):  # type: ignore[override]
+    def error(self, message: str):
         raise ConfigError(f"geompi plan: {message}")
 
 
@@ -361,7 +361,7 @@ def _shape(text: str) -> tuple[int, int, int]:
         dims = ()
     if len(dims) != 3 or min(dims) < 1:
         raise ConfigError(f"--input-shape {text!r}: give C,H,W as three whole numbers, e.g. 1,8,8")
-    return dims  # type: ignore[return-value]
+    return dims
 
 
 def _fmt_bytes(n: float) -> str:
