@@ -4,6 +4,7 @@
     geompi ckpt ...      inspect, verify, compare, export and list checkpoints
     geompi plot ...      plot the metrics files of runs
     geompi slurm ...     the Slurm batch scripts and layouts
+    geompi plan ...      predict each algorithm's speed on a link, recommend settings
 
 The older ``geompi-train``, ``geompi-ckpt``, ``geompi-plot`` and ``geompi-slurm`` commands
 stay as aliases. This module imports nothing heavy (no torch, no MPI) until a subcommand runs,
@@ -35,6 +36,12 @@ def _plot(argv: list[str]) -> int:
     return main(argv)
 
 
+def _plan(argv: list[str]) -> int:
+    from geompi.plan import main
+
+    return main(argv)
+
+
 def _slurm(argv: list[str]) -> int:
     from geompi.slurm import main
 
@@ -47,6 +54,7 @@ COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
     "ckpt": ("inspect, verify, compare, export and list checkpoints", _ckpt),
     "plot": ("plot the --metrics files of runs (needs geompi[plot])", _plot),
     "slurm": ("print the Slurm batch scripts and rank layouts", _slurm),
+    "plan": ("predict each algorithm's speed on a link and recommend settings", _plan),
 }
 
 

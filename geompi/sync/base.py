@@ -23,6 +23,30 @@ import torch
 
 
 @dataclass(frozen=True)
+class WanPattern:
+    """What an algorithm's settings send over one datacenter's WAN link, for the planner
+    (geompi.plan): a cycle of ``steps`` training steps holds one global-tier round per entry of
+    ``shares``, each carrying that share of the model's values up and the same share back.
+
+    A round waits ``trips`` one-way latencies besides its bytes (geompi.comm.linkmodel's
+    hold: a transfer arrives ``latency + bytes / bandwidth`` after it could start, each
+    direction queued). ``hidden_steps``: the steps of compute a round's exchange runs behind
+    (0: the workers wait for it). ``lan_rounds``: the datacenter rounds of the cycle (each
+    moves the whole model from every worker to its local server and back). ``sync_every``:
+    steps between two global syncs of the same value (the planner's measure of how far the
+    settings stray from synchronous training).
+    """
+
+    method: str
+    steps: int
+    shares: tuple[float, ...]
+    trips: int
+    hidden_steps: int = 0
+    lan_rounds: int = 1
+    sync_every: int = 1
+
+
+@dataclass(frozen=True)
 class Algorithm:
     """What every algorithm provides; the subclasses hold its settings."""
 
@@ -127,6 +151,11 @@ class Algorithm:
         ``common``: on_nonfinite, timeout, slowdown, wan, max_staleness (the job's defaults).
         """
         raise NotImplementedError
+
+    def wan_pattern(self, global_servers: int) -> WanPattern:
+        """The message pattern of these settings over a datacenter's WAN link, with
+        ``global_servers`` shards (geompi.plan asks; an algorithm without one is not planned)."""
+        raise NotImplementedError(f"{self.name} gives no WAN pattern to plan with")
 
 
 def whole_number(flag: str) -> Callable[[str], int]:

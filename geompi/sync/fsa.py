@@ -19,7 +19,7 @@ import torch
 
 from geompi.errors import ConfigError
 from geompi.ps.optim import SGD, Adam, AdamW, Spec, make_spec, spec_to_dict
-from geompi.sync.base import Algorithm
+from geompi.sync.base import Algorithm, WanPattern
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,13 @@ class FSA(Algorithm):
         from geompi.ps.servers import build_server  # MPI loads with the servers, not before
 
         return build_server(topo, comms, stats, **_sync_tier(common))
+
+    def wan_pattern(self, global_servers: int) -> WanPattern:
+        """One round a step, the whole model up (gradients) and back (gradients or parameters):
+        the upload's last byte leaves, a latency, the results come back, a latency. Buckets go
+        up during backward, but the planner counts no overlap (a model within one bucket, as
+        the planner's examples, has none)."""
+        return WanPattern("FSA", steps=1, shares=(1.0,), trips=2)
 
 
 def _sync_tier(common: dict) -> dict:

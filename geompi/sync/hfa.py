@@ -19,6 +19,7 @@ from typing import ClassVar
 import torch
 
 from geompi.errors import MAX_LR, MAX_STEPS, ConfigError, positive_number
+from geompi.ps.fragments import shift
 from geompi.ps.optim import (
     OUTER_OPTIMIZERS,
     SGD,
@@ -29,7 +30,7 @@ from geompi.ps.optim import (
     torch_optimizer,
 )
 from geompi.ps.protocol import MAX_KEYS
-from geompi.sync.base import Algorithm, number, whole_number
+from geompi.sync.base import Algorithm, WanPattern, number, whole_number
 from geompi.sync.fsa import _sync_tier
 
 # HFA's default K2; with adaptive cadence, a K2 left at it starts clamped into [k2_min, k2_max]
@@ -317,6 +318,25 @@ class HFA(Algorithm):
         if isinstance(server, GlobalServer):
             server.outer_rule = self.outer_rule
         return server
+
+    def wan_pattern(self, global_servers: int) -> WanPattern:
+        """A cycle of K2 datacenter rounds of K1 steps: plain HFA sends the whole model at the
+        K2-th; streaming sends each fragment at its staggered round (geompi.ps.fragments), so
+        the rounds that go global are the fragments' distinct shifts, each with its fragments'
+        share; with overlap an exchange runs behind the next K1 steps."""
+        f = self.fragments
+        shifts = [shift(i, f, self.k2) for i in range(f)]  # equal fragments assumed
+        shares = tuple(shifts.count(s) / f for s in sorted(set(shifts)))
+        label = "HFA" if f == 1 and not self.overlap else "streaming HFA"
+        return WanPattern(
+            label,
+            steps=self.k1 * self.k2,
+            shares=shares,
+            trips=2,
+            hidden_steps=self.k1 if self.overlap else 0,
+            lan_rounds=self.k2,
+            sync_every=self.k1 * self.k2,
+        )
 
 
 def check_outer(name, kwargs) -> None:

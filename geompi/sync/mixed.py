@@ -18,7 +18,7 @@ import torch
 
 from geompi.errors import ConfigError, positive_number
 from geompi.ps.optim import DCASGD, SGD, spec_to_dict
-from geompi.sync.base import Algorithm, whole_number
+from geompi.sync.base import Algorithm, WanPattern, whole_number
 from geompi.sync.fsa import server_spec, servers_optimizer, spec_message
 
 
@@ -103,3 +103,10 @@ class MixedSync(Algorithm):
         return build_server(
             topo, comms, stats, asynchronous=True, max_staleness=staleness, **common
         )
+
+    def wan_pattern(self, global_servers: int) -> WanPattern:
+        """One deposit and one fetch a step, the whole model each way. Latencies
+        (geompi.ps.async_tier, geompi.comm.rma): the deposit's data one way, then per global
+        server its ticket (a round trip) and pending flag (one way) and a poll of the counters
+        (a round trip), and the fetch's request and data (a round trip): 3 + 5 G."""
+        return WanPattern("MixedSync", steps=1, shares=(1.0,), trips=3 + 5 * global_servers)
