@@ -422,7 +422,9 @@ def _launch(hosts, shaped, rate, command, timeout) -> int:
         try:
             res = c.run(command, timeout)
         except TimeoutError as e:
-            print(f"netns: error: {str(e).splitlines()[0]}", file=sys.stderr)
+            first, _, rest = str(e).partition("\n")
+            print(rest, file=sys.stderr)  # what the job printed
+            print(f"netns: error: {first}", file=sys.stderr)
             return 124
         sys.stdout.write(res.stdout)
         sys.stderr.write(res.stderr)
