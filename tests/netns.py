@@ -7,8 +7,8 @@ host per namespace and an rsh agent (``--prtemca plm_ssh_agent``, once ``plm_rsh
 the host's namespace (``ip netns exec``) and gives it its own hostname (``unshare --uts``), so
 ``--dc-map nodes`` sees one node per namespace. The links of the shaped hosts (the datacenters)
 are limited in the kernel with ``tc`` (``tbf``, both directions of each veth; its queue holds
-100 ms at the rate, beyond which it drops). There is no ``netem`` here, so latency is not added
-by the kernel: it stays in geompi's link model.
+100 ms at the rate and at least 1 MB, beyond which it drops). There is no ``netem`` here, so
+latency is not added by the kernel: it stays in geompi's link model.
 
 Root only: :func:`unavailable` says in one line why not (tests skip with it). Names start with a
 prefix that holds this process's id (``gmn<pid hex>``); every namespace, veth and bridge goes in
@@ -138,17 +138,23 @@ def _free_subnet() -> str:
     raise RuntimeError("no free 10.213.x.0/24 subnet")
 
 
-def tbf(dev: str, rate_bps: float | None, netns: str | None = None) -> None:
-    """Limit ``dev``'s egress to ``rate_bps`` bits/s with a token bucket (None: unlimited)."""
+def tbf(
+    dev: str, rate_bps: float | None, netns: str | None = None, enter: Sequence[str] = ()
+) -> None:
+    """Limit ``dev``'s egress to ``rate_bps`` bits/s with a token bucket (None: unlimited); in
+    NETNS, or through the command ENTER (e.g. ``nsenter --net=...``)."""
     if rate_bps is None:
-        sh("tc", "qdisc", "del", "dev", dev, "root", check=False, netns=netns)
+        sh(*enter, "tc", "qdisc", "del", "dev", dev, "root", check=False, netns=netns)
         return
     # a burst of 4 ms at the rate (at least 16 kB: the kernel's tick at 1 Gbit/s needs it); the
-    # queue holds 100 ms more before it drops
+    # queue holds 100 ms at the rate, and at least 1 MB (a round of the tests' model), before it
+    # drops
     burst = max(16_000, int(rate_bps / 8 * 0.004))
+    queue_ms = max(100, int(1e6 / (rate_bps / 8) * 1000))
     sh(
+        *enter,
         *("tc", "qdisc", "replace", "dev", dev, "root", "tbf"),
-        *("rate", f"{int(rate_bps)}bit", "burst", str(burst), "latency", "100ms"),
+        *("rate", f"{int(rate_bps)}bit", "burst", str(burst), "latency", f"{queue_ms}ms"),
         netns=netns,
     )
 
@@ -338,15 +344,7 @@ def reshape(rate_bps: float | None) -> None:
     """:meth:`Cluster.shape`, from a rank."""
     c = _control()
     for i in range(c["shaped"]):
-        outer = f"{c['prefix']}-{i}o"
-        if rate_bps is None:
-            tc = ["tc", "qdisc", "del", "dev", outer, "root"]
-            subprocess.run(["nsenter", f"--net={c['root']}", *tc], capture_output=True, timeout=30)
-        else:
-            burst = max(16_000, int(rate_bps / 8 * 0.004))
-            tc = ["tc", "qdisc", "replace", "dev", outer, "root", "tbf", "rate"]
-            tc += [f"{int(rate_bps)}bit", "burst", str(burst), "latency", "100ms"]
-            sh("nsenter", f"--net={c['root']}", *tc)
+        tbf(f"{c['prefix']}-{i}o", rate_bps, enter=("nsenter", f"--net={c['root']}"))
         tbf(f"{c['prefix']}-{i}i", rate_bps, netns=c["hosts"][i])
 
 
