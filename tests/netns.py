@@ -37,6 +37,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # run as a script: tests.mpirun
+
+from tests.mpirun import LAUNCH_TRIES, _failed_to_launch  # noqa: E402
+
 BIN = Path(sys.executable).parent
 PREFIX_RE = re.compile(r"^gmn([0-9a-f]+)[-.]")  # gmn<pid hex>-...: ours; the pid ran it
 # Open MPI over TCP only, on the bridge's subnet (the single-machine settings of
@@ -298,6 +302,16 @@ class Cluster:
             **(env or {}),
         }
         cmd = self.mpirun_cmd(argv)
+        for _ in range(LAUNCH_TRIES):  # mpirun's own start-up failures, as tests/mpirun.py
+            res = self._run_once(cmd, timeout, full_env)
+            if not _failed_to_launch(res):
+                break
+            print(f"mpirun could not start; trying again: {res.stderr.strip()}", file=sys.stderr)
+        return res
+
+    def _run_once(
+        self, cmd: list[str], timeout: float, full_env: dict
+    ) -> subprocess.CompletedProcess:
         p = subprocess.Popen(
             cmd,
             env=full_env,
