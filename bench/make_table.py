@@ -606,6 +606,58 @@ def render_throughput_lm(d: dict) -> list[str]:
     return out
 
 
+def render_real_wan(d: dict) -> list[str]:
+    def wall(c: dict | None) -> str:
+        if not c:
+            return ""
+        return f"{num(c['wall_s'])} ({num(c['wall_min_s'])} to {num(c['wall_max_s'])})"
+
+    def waits(key: str) -> str:  # the local servers' median wait on the WAN, per way
+        method, rate = key.split("@")
+        out = []
+        for way in ("kernel", "model_tcp", "model"):
+            w = [
+                r["wan_wait_s"]
+                for r in d["runs"]
+                if (r["method"], r["rate"], r["way"]) == (method, rate, way)
+            ]
+            if w:
+                out.append(num(sorted(w)[len(w) // 2]))
+        return " / ".join(out)
+
+    rows = []
+    for key, cell in d["summary"].items():
+        k, t, m = cell.get("kernel"), cell.get("model_tcp"), cell.get("model")
+        rows.append(
+            [
+                key.replace("@", " at "),
+                wall(k),
+                wall(t),
+                wall(m),
+                num(cell.get("model_over_kernel")) if k else "",
+                num(cell.get("model_tcp_over_kernel")) if k else "",
+                " / ".join(num(c["utilisation"]) for c in (k, t, m) if c),
+                waits(key),
+                num(m["wan_bytes"] / 1e6, 1) if m else "",
+                num(k["kernel_payload_bytes"] / k["wan_bytes"], 3) if k else "",
+            ]
+        )
+    header = ["method at rate", "kernel-shaped s", "model over TCP s", "model, one host s"]
+    header += ["model / kernel", "model TCP / kernel", "utilisation (k / t / m)"]
+    header += ["WAN wait s (k / t / m)", "WAN MB"]
+    header += ["kernel payload / geompi bytes"]
+    out = table(header, rows)
+    skipped = d.get("not_across_hosts") or {}
+    out += [
+        "",
+        f"{d.get('ranks')} ranks (2 datacenters of 2 workers + a local server, 1 global server), "
+        f"{d.get('steps')} steps, median of {d.get('reps')} repeats (range), wall time of the "
+        f"training loop; {d.get('cpus')} CPUs, {d.get('mpi')}; latency: {d.get('latency')}.",
+    ]
+    out += [f"{m}: {why}." for m, why in skipped.items()]
+    return out
+
+
 def render_generic(d: dict) -> list[str]:
     skip = {"benchmark", "command", "note"}
     rows = [
@@ -635,6 +687,8 @@ RENDERERS = {
     "streaming_wan_k2_16": render_streaming_wan,
     "streaming_wan_long": render_streaming_wan,
     "throughput_lm": render_throughput_lm,
+    "real_wan": render_real_wan,
+    "real_wan_20mbit": render_real_wan,
 }
 TITLES = {
     "adaptive_wan": "HFA's adaptive cadence on two emulated WAN links (1 Gbit/s, 100 Mbit/s)",
@@ -656,6 +710,9 @@ TITLES = {
     "HFA 3072 (DiLoCo's H = 1024 local steps between global averages)",
     "throughput_lm": "Throughput on the 5M-parameter transformer: geompi against torch",
     "ulfm_exit": "Ending a job after a lost rank: how often mpirun --with-ft ulfm hangs",
+    "real_wan": "The link model against kernel-shaped links between network namespaces",
+    "real_wan_20mbit": "The same on a link-bound setting: FSA and HFA at 20 Mbit/s, 60 steps "
+    "(bench/real_wan.py --methods fsa,hfa --rates 20mbit --steps 60)",
 }
 
 

@@ -23,11 +23,10 @@ from mpi4py import MPI  # noqa: E402
 
 from geompi.train import main  # noqa: E402
 
-out, spec = Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text())
-rank = launcher_rank()
 
-
-def run(i: int, args: list[str], env: dict[str, str]) -> None:
+def run(out: Path, i: int, args: list[str], env: dict[str, str]) -> None:
+    """Run i of OUT (also for tests/progs/netns_runs.py, which imports it)."""
+    rank = launcher_rank()
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     sys.stdout.flush()
@@ -57,6 +56,8 @@ def run(i: int, args: list[str], env: dict[str, str]) -> None:
     (out / f"run{i}.rank{rank}.rc").write_text(str(rc))
 
 
-for i, r in enumerate(spec):
-    run(i, r["args"], r.get("env", {}))
-    MPI.COMM_WORLD.Barrier()  # no rank starts a run while another still ends the last
+if __name__ == "__main__":
+    out, spec = Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text())
+    for i, r in enumerate(spec):
+        run(out, i, r["args"], r.get("env", {}))
+        MPI.COMM_WORLD.Barrier()  # no rank starts a run while another still ends the last

@@ -1,0 +1,145 @@
+"""Datacenters in real network namespaces (tests/netns.py): one mpirun job over TCP whose hosts
+are namespaces, trained with ``--dc-map nodes``; the kernel's counters and a tbf-shaped link
+hold geompi's WAN byte counts and its traffic's path to the namespaces. Root only (skipped with
+one line elsewhere)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests import netns
+from tests.mpirun import pid_alive, prog, read_jsonl
+
+WHY = netns.unavailable()
+pytestmark = [pytest.mark.mpi, pytest.mark.skipif(WHY is not None, reason=f"netns: {WHY}")]
+
+HOSTS = [("dc0", 3), ("dc1", 3), ("gs", 1)]  # 2 datacenters of 2 workers + a local server, G=1
+# bits/s: the shaped run's link. Its queue (tc tbf's, 1 MB here) holds what one local server
+# sends in a round (the model, 293 kB), so nothing is dropped and sent again.
+SLOW = 20e6
+# Each packet the kernel counts carries Ethernet (14), IPv4 (20) and TCP headers with timestamps
+# (32): what remains is payload. geompi's WAN bytes are part of it, with MPI's own headers and the
+# little that is not geompi's global tier (the launcher's messages, start-up collectives,
+# control messages between datacenters): at most this share more than geompi counts, never less.
+HEADERS = 14 + 20 + 32
+OVERHEAD = 0.02
+
+
+def _runs(tmp_path) -> tuple[list[dict], list[dict], list[str], str]:
+    args = ["--dc-map", "nodes", "--sync", "hfa", "--k1", "4", "--k2", "2", "--steps", "96"]
+    spec = [
+        # shaped first: the first run of a job also opens its TCP connections
+        {"args": [*args, "--metrics", str(tmp_path / "m0.jsonl")], "rate": SLOW},
+        {"args": [*args, "--metrics", str(tmp_path / "m1.jsonl")], "rate": None},
+    ]
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    with netns.Cluster(HOSTS) as c:
+        prefix = c.prefix
+        names = c.names
+        res = c.run(
+            [sys.executable, prog("netns_runs.py"), str(tmp_path), str(tmp_path / "spec.json")],
+            timeout=150,
+        )
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    summaries = [read_jsonl(tmp_path / f"m{i}.jsonl")[-1] for i in range(len(spec))]
+    nets = [json.loads((tmp_path / f"run{i}.net.json").read_text()) for i in range(len(spec))]
+    hosts = json.loads((tmp_path / "hosts.json").read_text())
+    assert hosts == [n for n, (_, k) in zip(names, HOSTS, strict=True) for _ in range(k)]
+    return summaries, nets, names, prefix
+
+
+def _moved(net: dict, host: int, what: str = "bytes") -> tuple[int, int]:
+    """(sent, received) by HOST during the run, as the kernel counted at its veth (bytes, or
+    packets)."""
+    b, a = net["before"][host], net["after"][host]
+    return a[f"rx_{what}"] - b[f"rx_{what}"], a[f"tx_{what}"] - b[f"tx_{what}"]
+
+
+def _payload(net: dict, host: int) -> int:
+    """What HOST sent and received during the run, less the packets' headers."""
+    return sum(_moved(net, host)) - HEADERS * sum(_moved(net, host, "packets"))
+
+
+def test_training_across_namespaces(tmp_path):
+    summaries, nets, names, prefix = _runs(tmp_path)
+    # nothing of the run remains
+    spaces, links = netns.ours()
+    assert not [n for n in spaces + links if n.startswith(prefix)]
+    for s in summaries:
+        # --dc-map nodes found one datacenter per namespace (blocks would make 3 of 7 ranks)
+        assert s["topology"]["dc_sizes"] == [3, 3] and s["topology"]["global_servers"] == 1
+        assert s["steps"] == 96
+    for s, net in zip(summaries, nets, strict=True):
+        wan = s["wan_bytes"]
+        assert wan > 1_000_000
+        dcs = _payload(net, 0) + _payload(net, 1)
+        gs = _payload(net, 2)
+        # every WAN byte crossed a datacenter's veth and the global servers' one, and LAN
+        # traffic (4x the WAN's here) stayed inside each namespace
+        for kernel in (dcs, gs):
+            assert wan <= kernel <= wan * (1 + OVERHEAD), (kernel, wan, s["lan_bytes"])
+    slow, fast = summaries
+    sent = max(_moved(nets[0], h)[0] for h in range(2))
+    received = max(_moved(nets[0], h)[1] for h in range(2))
+    floor = max(sent, received) * 8 / SLOW  # the least time the shaped link allows
+    assert nets[0]["wall_s"] >= floor
+    assert slow["wall_s"] >= fast["wall_s"] + 0.5 * floor, (slow["wall_s"], fast["wall_s"], floor)
+
+
+def test_stale_names_removed_at_start():
+    """The namespace and veth of a run whose process is gone go when the next run starts."""
+    p = subprocess.Popen(["true"])
+    p.wait()  # a pid that no longer runs
+    stale = f"gmn{p.pid:x}"
+    subprocess.run(["ip", "netns", "add", f"{stale}-dc0"], check=True)
+    subprocess.run(
+        ["ip", "link", "add", f"{stale}-0o", "type", "veth", "peer", "name", f"{stale}-0i"],
+        check=True,
+    )
+    with netns.Cluster([("a", 1), ("b", 1)]) as c:
+        spaces, links = netns.ours()
+        assert not [n for n in spaces + links if n.startswith(stale)]
+        assert len([n for n in spaces if n.startswith(c.prefix)]) == 2
+    spaces, links = netns.ours()
+    assert not [n for n in spaces + links if n.startswith((stale, c.prefix))]
+
+
+def test_sigterm_cleans_up():
+    """A harness killed by SIGTERM during its job ends the job and removes what it made."""
+    p = subprocess.Popen(
+        [sys.executable, str(netns.__file__), "--hosts", "a:1,b:1", "--", "sleep", "60"],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    prefix = f"gmn{p.pid:x}-"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        spaces, _ = netns.ours()
+        if len([n for n in spaces if n.startswith(prefix)]) == 2:
+            break
+        time.sleep(0.1)
+    time.sleep(1)  # mpirun has started
+    inside = [
+        int(pid)
+        for ns in (f"{prefix}a", f"{prefix}b")
+        for pid in subprocess.run(
+            ["ip", "netns", "pids", ns], capture_output=True, text=True
+        ).stdout.split()
+    ]
+    assert inside  # the job's daemons and its sleeps
+    os.kill(p.pid, signal.SIGTERM)
+    _, err = p.communicate(timeout=30)
+    assert p.returncode != 0
+    assert [ln for ln in err.splitlines() if ln.startswith("netns:")] == [
+        "netns: stopped by signal 15"
+    ]
+    spaces, links = netns.ours()
+    assert not [n for n in spaces + links if n.startswith(prefix)]
+    assert not [pid for pid in inside if pid_alive(pid)]
