@@ -52,9 +52,9 @@ MUTANTS = [
     ),
     (
         "a forced global round does not restart the K2 count",
-        "geompi/ps/local_server.py",
-        "        if forced:\n            self.avg_rounds.update(",
-        "        if False:\n            self.avg_rounds.update(",
+        "geompi/sync/hfa.py",
+        "        if forced:\n            self.rounds.update(",
+        "        if False:\n            self.rounds.update(",
     ),
     (
         "the outer Nesterov step without its look-ahead",

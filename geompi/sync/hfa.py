@@ -10,7 +10,9 @@ merged one round later); the global servers average datacenters and step the out
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -19,6 +21,7 @@ from typing import ClassVar
 import torch
 
 from geompi.errors import ConfigError, positive_number
+from geompi.ps.fragments import fragment_plan, is_global
 from geompi.ps.optim import (
     OUTER_OPTIMIZERS,
     SGD,
@@ -28,7 +31,8 @@ from geompi.ps.optim import (
     outer_step,
     torch_optimizer,
 )
-from geompi.ps.protocol import MAX_KEYS
+from geompi.ps.policy import Routing
+from geompi.ps.protocol import FLAG_EXACT, FLAG_GLOBAL, MAX_KEYS, Op, Round
 from geompi.sync.base import Algorithm
 from geompi.sync.fsa import _sync_tier
 
@@ -178,17 +182,19 @@ class HFA(Algorithm):
         (elementwise: each server holds one slice of every key)."""
         outer_step(value, average, spec, state)
 
-    def make_server(self, topo, comms, stats, **common):
-        from geompi.ps.global_server import GlobalServer
-        from geompi.ps.servers import build_server  # MPI loads with the servers, not before
-
-        streaming = {"fragments": self.fragments, "overlap": self.overlap, "mix": self.mix}
+    def local_policy(self) -> HFALocal:
         # adaptive: every round brings the K2 the workers chose (Round.k2), never this one
         k2 = 2**31 if self.adaptive else self.k2
-        server = build_server(topo, comms, stats, k2=k2, streaming=streaming, **_sync_tier(common))
-        if isinstance(server, GlobalServer):
-            server.outer_rule = self.outer_rule
-        return server
+        return HFALocal(k2, self.fragments, self.overlap, self.mix)
+
+    def global_policy(self) -> OuterStep:
+        return OuterStep(self.outer_rule)
+
+    def make_server(self, topo, comms, stats, **common):
+        from geompi.ps.servers import build_server  # MPI loads with the servers, not before
+
+        policies = {"local_policy": self.local_policy(), "global_policy": self.global_policy()}
+        return build_server(topo, comms, stats, **policies, **_sync_tier(common))
 
 
 def check_outer(name, kwargs) -> None:
@@ -367,3 +373,105 @@ class Cadence:
                 }
             )
             self.k2 = k2
+
+
+# ---- the server policies (geompi.ps.policy) ---------------------------------------------------
+ROUND_LOG = "GEOMPI_TEST_ROUND_LOG"
+
+
+class HFALocal:
+    """HFA's local server policy. Every value round is a datacenter average; every K2-th one
+    of a key (counted per key: GeoMX users push one key per round) goes on to the global tier.
+    K2 is the workers' where they choose it (adaptive cadence: ``Round.k2``), else ``k2``.
+
+    Streaming: the keys make ``fragments`` fragments (``fragment_plan`` at INIT), global on
+    staggered rounds; with ``overlap`` a fragment's global result is not waited for but merged
+    at its next datacenter round, as ``mix * global + (1 - mix) * local``. A round the workers
+    force global (FLAG_GLOBAL: close(), the CLI's checkpoints) sends every key up now, exactly
+    (FLAG_EXACT), merges late results first and waits for its own, so the round ends on one
+    global model, and the counting starts again after it.
+
+    Test hook: ``GEOMPI_TEST_ROUND_LOG=DIR`` writes, per datacenter, the keys that went global
+    at each value round and the fragment plan, when the workers stop.
+    """
+
+    def __init__(self, k2: int, fragments: int = 1, overlap: bool = False, mix: float = 1.0):
+        self.k2, self.fragments, self.overlap, self.mix = k2, fragments, overlap, mix
+        self.rounds: dict[int, int] = {}  # per key: datacenter averages since its cycle began
+        self.fragment_of: dict[int, int] = {}
+        self.staggered = 1  # the fragments the keys make, staggered over K2 rounds
+        self.round_log: list[list[int]] | None = [] if os.environ.get(ROUND_LOG) else None
+
+    def route(self, rnd: Round) -> Routing:
+        if rnd.op is Op.INIT:  # fewer fragments than asked where the keys are fewer
+            self.fragment_of = fragment_plan(rnd.keys, self.fragments)
+            self.staggered = max(self.fragment_of.values(), default=0) + 1
+        if rnd.op is not Op.AVG:
+            return Routing.all_up(rnd)
+        forced = bool(rnd.flags & FLAG_GLOBAL)
+        k2 = rnd.k2 or self.k2
+        for k, _ in rnd.keys:
+            self.rounds[k] = self.rounds.get(k, 0) + 1
+        up = frozenset(
+            i
+            for i, (k, _) in enumerate(rnd.keys)
+            if forced or is_global(self.rounds[k], self.fragment_of.get(k, 0), self.staggered, k2)
+        )
+        if forced:
+            self.rounds.update({k: 0 for k, _ in rnd.keys})
+        elif rnd.k2:  # a chosen K2 may change after a cycle: every fragment went up once in it
+            self.rounds.update({k: 0 for k, _ in rnd.keys if self.rounds[k] >= k2})
+        if self.round_log is not None:
+            self.round_log.append([rnd.keys[i][0] for i in sorted(up)])
+        return Routing(
+            up,
+            flags=FLAG_GLOBAL | (FLAG_EXACT if forced else 0),  # exact: whole values both ways
+            merge_first=forced,
+            overlapped=self.overlap and not forced,
+            timed=bool(rnd.k2),
+        )
+
+    def keeps_late(self, rnd: Round) -> bool:
+        return rnd.op is Op.AVG  # the end or a save drops the results never merged
+
+    def merge(self, key: int, local: torch.Tensor, result: torch.Tensor) -> None:
+        if self.mix == 1.0:
+            local.copy_(result)
+        else:
+            local.mul_(1.0 - self.mix).add_(result, alpha=self.mix)
+
+    def rejoin(self) -> None:
+        self.rounds.clear()
+
+    def stopped(self, dc: int) -> None:
+        if self.round_log is None:
+            return
+        path = os.path.join(os.environ[ROUND_LOG], f"rounds-dc{dc}.jsonl")
+        with open(path, "a") as f:  # one line per job (per DistributedOptimizer)
+            log = {"global_keys": self.round_log, "fragment_of": self.fragment_of}
+            f.write(json.dumps(log) + "\n")
+        self.round_log = []
+
+
+class OuterStep:
+    """HFA's global server policy: at a global average each key of this shard takes a step of
+    ``rule`` (``HFA.outer_rule``: the outer optimizer), from the average of the datacenters,
+    with the spec the INIT round brings (``"outer"``) and the key's own state."""
+
+    def __init__(self, rule=outer_step) -> None:
+        self.rule = rule
+        self.spec: dict | None = None
+        self.state: dict[int, dict[str, torch.Tensor]] = {}
+
+    def configure(self, spec: dict) -> None:
+        if "outer" in spec:
+            self.spec = spec["outer"]
+
+    def average(self, key: int, value: torch.Tensor, average: torch.Tensor) -> None:
+        self.rule(value, average, self.spec, self.state.setdefault(key, {}))
+
+    def state_dict(self) -> dict[int, dict[str, torch.Tensor]]:
+        return self.state
+
+    def load_state_dict(self, state: dict[int, dict[str, torch.Tensor]]) -> None:
+        self.state = {k: dict(st) for k, st in state.items()}
