@@ -339,7 +339,7 @@ class RunConfig:
 
     def _check_outer(self) -> None:
         """``--outer-optimizer`` and ``--outer-momentum``, in the flags' words."""
-        from geompi.ps.optim import OUTER_OPTIMIZERS
+        from geompi.sync.hfa import OUTER_OPTIMIZERS
 
         if self.outer_optimizer not in OUTER_OPTIMIZERS:
             raise ConfigError(
