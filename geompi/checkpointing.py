@@ -45,10 +45,10 @@ from geompi.errors import (
     CheckpointWriteError,
     ConfigError,
 )
-from geompi.ps.optim import OUTER_STATE
 from geompi.ps.protocol import TAG_RESTORE, TAG_SNAPSHOT, Op
 from geompi.runtime import say
 from geompi.session import fail_together
+from geompi.sync.hfa import OUTER_STATE
 
 _BACKUP = re.compile(r"^backup_dc(\d+)$")
 
@@ -365,7 +365,7 @@ def _check_outer(bad, group, cfg, hfa: dict, shapes) -> None:
                 bad(f"HFA {state_name} {name} is {_shape_of(t)}, not one number")
     algo = cfg.algorithm
     if have and hasattr(algo, "outer"):
-        from geompi.ps.optim import outer_state_names
+        from geompi.sync.hfa import outer_state_names
 
         want = outer_state_names(algo.outer())
         if have != want:

@@ -18,7 +18,7 @@ import torch
 from geompi import ckpt, user_state
 from geompi.errors import CheckpointError, ConfigError, GeompiError
 from geompi.optimizer_json import _GROUPS, _NONE, _NUMBERS, check_checkpoint, torch_state
-from geompi.ps.optim import OUTER_STATE
+from geompi.sync.hfa import OUTER_STATE
 
 OUTER_KEY = "geompi_outer_momentum"  # in state_dict(): HFA's outer momentum, by param index
 # In state_dict(): each state of HFA's outer optimizer (OUTER_KEY the momentum; Adam's

@@ -1,4 +1,5 @@
-"""Mutants of the servers: each breaks one rule, and tests/test_servers_inprocess.py must fail.
+"""Mutants of the servers and their policies: each breaks one rule, and the in-process tests
+(tests/test_servers_inprocess.py, tests/test_policies.py) must fail.
 
 Run by hand, not by pytest (it edits geompi/ for a moment and restores each file in ``finally``;
 a kill -9 in between leaves the mutant in place, which ``git diff`` shows)::
@@ -52,15 +53,15 @@ MUTANTS = [
     ),
     (
         "a forced global round does not restart the K2 count",
-        "geompi/ps/local_server.py",
-        "        if forced:\n            self.avg_rounds.update(",
-        "        if False:\n            self.avg_rounds.update(",
+        "geompi/sync/hfa.py",
+        "        if forced:\n            self.rounds.update(",
+        "        if False:\n            self.rounds.update(",
     ),
     (
         "the outer Nesterov step without its look-ahead",
-        "geompi/ps/optim.py",
-        "delta = delta + mom * buf",
-        "delta = buf",
+        "geompi/sync/hfa.py",
+        "lr=s.lr, dampening=s.dampening, nesterov=s.nesterov,",
+        "lr=s.lr, dampening=s.dampening, nesterov=False,",
     ),
     (
         "the local server sends its datacenter average, not its sum, to the global tier",
@@ -107,7 +108,7 @@ def main(only: list[str]) -> int:
         try:
             r = subprocess.run(
                 [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                 "tests/test_servers_inprocess.py"],
+                 "tests/test_servers_inprocess.py", "tests/test_policies.py"],
                 capture_output=True, text=True, cwd=ROOT, timeout=600,
                 env={**os.environ, "PYTHONPATH": str(ROOT)},
             )  # fmt: skip

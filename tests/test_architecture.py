@@ -11,7 +11,9 @@ some must lower the recorded figure with it, so the gain cannot be lost again.
 from __future__ import annotations
 
 import ast
+import io
 import re
+import tokenize
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[1] / "geompi"
@@ -32,7 +34,58 @@ DISPATCH = re.compile(
     r"""(==|!=|\bin\b|\bis\b)\s*\(?\s*["'](fsa|hfa|mixed)["']|\.(local_steps|independent_dcs|"""
     r"""streaming|server_side|on_servers)\b|\bOp\.(AVG|ASYNC)\b|sync\s*==|\.name\s*=="""
 )
-DISPATCH_ALLOWED = 86  # today's count; the redesign brings it to a handful
+DISPATCH_ALLOWED = 81  # the redesign brings it to a handful
+
+
+# The round engine names no algorithm (design.md: "No algorithm's name"): no identifier or string
+# in the code of geompi/ps/ (docstrings and comments aside) mentions one, nor HFA's outer step.
+ALGORITHM_WORDS = re.compile(r"fsa|hfa|mixed|dcasgd|outer", re.IGNORECASE)
+# Exceptions, each with its reason, held as a ratchet too (each must still be there):
+PS_NAMES_ALLOWED = {
+    # DCASGD is a server optimizer spec (--optimizer dcasgd), hosted like SGD/Adam on the global
+    # servers under FSA's server placement and MixedSync alike: an optimizer, not an algorithm.
+    ("optim.py", "DCASGD"),
+    ("optim.py", "_dcasgd"),
+    ("optim.py", "dcasgd_lambda"),
+    ("optim.py", "dcasgd_adaptive"),
+    ("optim.py", '"dcasgd"'),
+    ("optim.py", '"DCASGD is stepped by ServerOptimizer itself: this is a geompi bug"'),
+    ("optim.py", '"DCASGD runs at the global servers only: use it with --sync mixed or fsa"'),
+    (
+        "optim.py",
+        '"the param groups of a server optimizer must share its class (DCASGD takes one "',
+    ),
+    # The snapshot section of a global policy's state: geompi.checkpointing reads it by name.
+    ("policy.py", '"outer"'),
+}
+
+
+def algorithm_names(src: str) -> set[str]:
+    """The names and strings in the code of ``src`` (not its docstrings or comments) that
+    mention an algorithm."""
+    docstrings = set()
+    for node in ast.walk(ast.parse(src)):
+        body = getattr(node, "body", None)
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef) and body:
+            first = body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                docstrings.add(first.lineno)
+    out = set()
+    for tok in tokenize.generate_tokens(io.StringIO(src).readline):
+        if tok.type == tokenize.STRING and tok.start[0] in docstrings:
+            continue
+        if tok.type in (tokenize.NAME, tokenize.STRING) and ALGORITHM_WORDS.search(tok.string):
+            out.add(tok.string)
+    return out
+
+
+def algorithm_names_in_ps() -> set[tuple[str, str]]:
+    """(module, token) for each name or string in geompi/ps/'s code that mentions one."""
+    return {
+        (path.name, name)
+        for path in sorted((PKG / "ps").glob("*.py"))
+        for name in algorithm_names(path.read_text())
+    }
 
 
 def modules() -> dict[str, Path]:
@@ -208,3 +261,23 @@ def test_no_function_grows_past_the_longest_of_today():
     )
     over = [where for n, where in found if n > FUNCTION_BOUND]
     assert len(over) <= 4, f"{len(over)} functions over {FUNCTION_BOUND} lines: {over}"
+
+
+def test_the_round_engine_names_no_algorithm():
+    found = algorithm_names_in_ps()
+    assert found <= PS_NAMES_ALLOWED, (
+        f"geompi/ps/ names an algorithm in code: {sorted(found - PS_NAMES_ALLOWED)}: ask the "
+        "algorithm's policy (geompi/ps/policy.py) instead"
+    )
+    gone = PS_NAMES_ALLOWED - found
+    assert not gone, f"{sorted(gone)} are gone from geompi/ps/: remove them from PS_NAMES_ALLOWED"
+
+
+def test_the_name_reader_reads():
+    """The reader of algorithm names: it sees one in code, none in a docstring or a comment."""
+    src = 'class C:\n    """HFA."""\n\n    def f(self):\n        return hfa_k2 + "mixed"  # fsa\n'
+    assert algorithm_names(src) == {"hfa_k2", '"mixed"'}
+    assert algorithm_names('x = 1\n"""a module string after code: Outer."""\n') == {
+        '"""a module string after code: Outer."""'
+    }
+    assert ("optim.py", "DCASGD") in algorithm_names_in_ps()

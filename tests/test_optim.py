@@ -19,11 +19,11 @@ from geompi.ps.optim import (
     ServerOptimizer,
     dumps,
     make_spec,
-    outer_step,
     shard_pieces,
     spec_from_dict,
     spec_to_dict,
 )
+from geompi.sync.hfa import outer_step
 
 N = 257  # an odd size, so no vectorized kernel covers every element
 

@@ -34,6 +34,7 @@ from geompi.ps.protocol import (
     Round,
     presence_payload,
 )
+from geompi.sync import FSA, HFA, Algorithm
 
 try:
     from loopback import ANY_SOURCE, LoopbackError, LoopbackWorld, Status, run_ranks
@@ -59,10 +60,15 @@ INIT = rand(0)  # the master worker's starting values
 
 # --- running a job on the loopback world ------------------------------------------------------
 def run_job(
-    worker: Callable[[int, PSClient], object], *, k2: int = 1, on_nonfinite: str = "abort"
+    worker: Callable[[int, PSClient], object],
+    *,
+    algo: Algorithm | None = None,
+    on_nonfinite: str = "abort",
 ) -> tuple[dict[int, object], dict[int, LocalServer | GlobalServer]]:
-    """Every rank of TOPO in a thread: the servers serve until STOP, each worker runs
-    ``worker(rank, client)`` then stops. Returns the workers' results and the servers."""
+    """Every rank of TOPO in a thread: the servers (with ``algo``'s policies, FSA's by
+    default) serve until STOP, each worker runs ``worker(rank, client)`` then stops. Returns
+    the workers' results and the servers."""
+    algo = algo or FSA()
     world = LoopbackWorld(TOPO.world_size)
     servers: dict[int, LocalServer | GlobalServer] = {}
 
@@ -77,9 +83,10 @@ def run_job(
                 client.stop()
                 return out
             if role is Role.LOCAL_SERVER:
-                server = LocalServer(comms, TOPO, stats, k2=k2, on_nonfinite=on_nonfinite)
+                policy = algo.local_policy()
+                server = LocalServer(comms, TOPO, stats, policy=policy, on_nonfinite=on_nonfinite)
             else:
-                server = GlobalServer(comms, TOPO, stats)
+                server = GlobalServer(comms, TOPO, stats, policy=algo.global_policy())
             servers[rank] = server
             server.run()
             return None
@@ -355,7 +362,8 @@ def test_hfa_datacenter_average_and_every_k2th_global_outer_step(outer: dict | N
     pseudo-gradient (model - global weighted average), as DiLoCo: torch.optim.SGD here, Nesterov
     momentum 0.9 for "nesterov" (no outer spec: the average itself)."""
     rounds, forced, k2 = 6, {2}, 3
-    seen, servers = run_job(hfa_worker({"outer": outer} if outer else None, forced, rounds), k2=k2)
+    work = hfa_worker({"outer": outer} if outer else None, forced, rounds)
+    seen, servers = run_job(work, algo=HFA(k1=1, k2=k2))
     model = [torch.nn.Parameter(v.clone()) for v in INIT]
     nesterov = bool(outer) and outer["name"] == "nesterov"
     lr = outer["lr"] if outer else 1.0

@@ -76,7 +76,7 @@ def _open_windows(comm, topo: Topology, keys: list[tuple[int, int]], stats, time
     d = topo.num_dcs
     # Win.Create cannot be waited on: a watched barrier first, so a server lost before the
     # windows exist is reported (heartbeat-aware: another datacenter may rightly be slow)
-    barrier(comm, live_timeout(timeout), "every server to open MixedSync's windows")
+    barrier(comm, live_timeout(timeout), "every server to open the asynchronous tier's windows")
     wins = []
     for g in range(topo.num_global_servers):
         sizes = [hi - lo for lo, hi in (topo.shard_bounds(n, g) for _, n in keys)]
@@ -298,7 +298,7 @@ class AsyncUplink:
             )
         self.wins = None
         self._open(announce=False)
-        barrier(link.comm, None, "the global servers to rejoin MixedSync's tier")
+        barrier(link.comm, None, "the global servers to rejoin the asynchronous tier")
         sends.wait()
 
     def _open(self, announce: bool = True) -> None:
@@ -308,7 +308,9 @@ class AsyncUplink:
             return
         keys = sorted(self.keys.items())
         if len(keys) > MAX_KEYS:
-            raise ConfigError(f"MixedSync carries at most {MAX_KEYS} keys: use fewer, larger keys")
+            raise ConfigError(
+                f"the asynchronous tier carries at most {MAX_KEYS} keys: use fewer, larger ones"
+            )
         if announce:
             self.sync.send_header(Round(Op.ASYNC, 0, keys))
         self.wins = _open_windows(
@@ -503,7 +505,7 @@ class AsyncGlobalServer(GlobalServer):
         self._before = None  # nothing to undo: each applied deposit stands
         self.rejoin(loss)
         comm = self.link.comm
-        what = "the local servers to rejoin MixedSync's tier"
+        what = "the local servers to rejoin the asynchronous tier"
         specs = [
             recv_state(comm, ls, TAG_REJOIN_SPEC, self.stats, None, what)
             for ls in range(len(kept))  # the surviving local servers, renumbered

@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-from collections.abc import Callable
 
 import torch
 
@@ -22,7 +21,8 @@ from geompi.comm.transport import (
     recv_state,
     send_state,
 )
-from geompi.ps.optim import Piece, ServerOptimizer, outer_step, shard_pieces, spec_from_dict
+from geompi.ps.optim import Piece, ServerOptimizer, shard_pieces, spec_from_dict
+from geompi.ps.policy import POLICY_STATE, Assign, GlobalPolicy
 from geompi.ps.protocol import (
     FLAG_EXACT,
     FLAG_FLUSH,
@@ -65,6 +65,7 @@ class GlobalServer:
         stats: LinkStats,
         timeout: float | None = None,
         codec: TierCodec | None = None,
+        policy: GlobalPolicy | None = None,
     ) -> None:
         self.topo = topo
         self.comms = comms
@@ -78,11 +79,8 @@ class GlobalServer:
         self.timeout = timeout
         self.values: dict[int, torch.Tensor] = {}
         self.optimizer: ServerOptimizer | None = None
-        self.outer: dict | None = None
-        self.outer_state: dict[int, dict[str, torch.Tensor]] = {}
-        # HFA's outer step on one key: (value, average, spec, state); the algorithm's own
-        # (``HFA.outer_rule``) where it sets one
-        self.outer_rule: Callable[..., None] = outer_step
+        # what a value round's average does to a key (geompi.ps.policy): the algorithm's
+        self.policy: GlobalPolicy = policy or Assign()
         self.updates = 0
         self.pieces: dict[int, list[Piece]] = {}  # key -> its parameters in this shard
         self.presence_key: int | None = None
@@ -94,7 +92,7 @@ class GlobalServer:
         self._recv_bufs = BufferPool()  # (local server, key position) -> its data
 
     def configure(self, spec: dict) -> None:
-        """Apply a spec from the master worker: the optimizer and, for HFA, the outer one."""
+        """Apply a spec from the master worker: the optimizer and the policy's settings."""
         if "layout" in spec:
             self.set_layout(spec["layout"], spec.get("presence_key"))
         groups = [spec_from_dict(g) for g in spec.get("groups") or []] or None
@@ -107,8 +105,7 @@ class GlobalServer:
                 self.optimizer.set_layout(key, pieces)
         if "max_grad_norm" in spec:
             self.max_grad_norm = float(spec["max_grad_norm"])
-        if "outer" in spec:
-            self.outer = spec["outer"]
+        self.policy.configure(spec)
         if spec.get("restore"):  # checkpointed state follows from the master worker
             self._restore = recv_state(
                 self.world, 0, TAG_RESTORE, self.stats, self.timeout,
@@ -147,7 +144,7 @@ class GlobalServer:
         self._before = {
             "round": rnd.round_id,
             "values": {k: v.clone() for k, v in self.values.items()},
-            "outer": copy.deepcopy(self.outer_state),
+            "policy": copy.deepcopy(self.policy.state_dict()),
             "optimizer": copy.deepcopy(self.optimizer.state_dict()) if self.optimizer else None,
             "updates": self.updates,
         }
@@ -161,7 +158,7 @@ class GlobalServer:
         for k, v in before["values"].items():
             if k in self.values:
                 self.values[k].copy_(v)  # in place: the optimizer state points at them
-        self.outer_state = before["outer"]
+        self.policy.load_state_dict(before["policy"])
         if before["optimizer"] is not None:
             self.optimizer.load_state_dict(self.values, before["optimizer"])
         self.updates = before["updates"]
@@ -351,13 +348,12 @@ class GlobalServer:
                 self.optimizer.step(key, value, total, dc, self._presence(key))
             elif weight > 0:  # weight 0: every datacenter skipped a non-finite gradient
                 self.optimizer.step(key, value, total.div_(weight), dc, self._presence(key))
-        elif rnd.op is Op.AVG and rnd.flags & FLAG_FLUSH:  # held-back residuals only
+        elif rnd.flags & FLAG_FLUSH:  # a value round of held-back residuals only
             self.updates += 1
             value.copy_(total.div_(weight))
-        elif rnd.op is Op.AVG:
+        else:  # a value round: the policy steps the key from the datacenters' average
             self.updates += 1
-            state = self.outer_state.setdefault(key, {})
-            self.outer_rule(value, total.div_(weight), self.outer, state)
+            self.policy.average(key, value, total.div_(weight))
 
     def apply_mean(self, key: int, total: torch.Tensor, weight: float, dc=None) -> None:
         """A mean key (the workers' buffers times their weight): the sample-weighted mean of
@@ -378,7 +374,7 @@ class GlobalServer:
             "index": self.index,
             "values": {k: v.clone() for k, v in self.values.items()},
             "state": self.optimizer.state_dict() if self.optimizer is not None else {},
-            "outer": {k: dict(st) for k, st in self.outer_state.items()},
+            POLICY_STATE: {k: dict(st) for k, st in self.policy.state_dict().items()},
             "updates": self.updates,
         }
 
@@ -390,10 +386,10 @@ class GlobalServer:
         )  # fmt: skip
 
     def restore(self, state: dict) -> None:
-        """Optimizer and outer state for this shard, re-sliced by the master worker."""
+        """Optimizer and policy state for this shard, re-sliced by the master worker."""
         if self.optimizer is not None and state.get("state"):
             self.optimizer.load_state_dict(self.values, state["state"])
-        self.outer_state = {k: dict(st) for k, st in state.get("outer", {}).items()}
+        self.policy.load_state_dict({k: dict(st) for k, st in state.get(POLICY_STATE, {}).items()})
         self.updates = int(state.get("updates", 0))
 
     def _slice_len(self, numel: int) -> int:

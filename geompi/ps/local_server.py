@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections import deque
 from functools import partial
@@ -18,10 +17,9 @@ from geompi.comm.poll import Backoff, spin_until
 from geompi.comm.topology import Communicators, Topology
 from geompi.comm.transport import LAN, WAN, Link, LinkStats, Requests, recv_buffer
 from geompi.errors import NonFiniteError
-from geompi.ps.fragments import fragment_plan, is_global
+from geompi.ps.policy import LocalPolicy, Routing, UpNow
 from geompi.ps.protocol import (
     FLAG_EXACT,
-    FLAG_GLOBAL,
     FLAG_MEAN,
     FLAG_RAW,
     FLAG_SCATTER,
@@ -50,8 +48,6 @@ from geompi.ps.protocol import (
     worker_slice,
 )
 from geompi.ps.wan import TierCodec
-
-_ROUND_LOG = "GEOMPI_TEST_ROUND_LOG"
 
 
 class SyncUplink:
@@ -261,8 +257,9 @@ class SyncUplink:
 class LocalServer:
     """One per datacenter. Serves rounds until the workers send STOP.
 
-    GRAD and INIT rounds always go to the global tier. AVG rounds (HFA) are averaged here, and
-    every ``k2``-th one goes on to the global servers.
+    Each round's keys are summed over the datacenter's workers; the algorithm's ``policy``
+    (geompi.ps.policy) says which go on to the global tier now, which are answered with the
+    datacenter's mean, and which go up overlapped (their global result merged later).
     """
 
     def __init__(
@@ -271,39 +268,28 @@ class LocalServer:
         topo: Topology,
         stats: LinkStats,
         *,
-        k2: int = 1,
+        policy: LocalPolicy | None = None,
         on_nonfinite: str = "abort",
         timeout: float | None = None,
         uplink=None,
         slowdown: float = 1.0,
         lan_model: LinkModel | None = None,
-        fragments: int = 1,
-        overlap: bool = False,
-        mix: float = 1.0,
     ) -> None:
         self.topo = topo
         self.comms = comms
         self.dc = topo.dc_of(comms.world.Get_rank())
         self.lan = Link(comms.dc, LAN, stats)
         self.uplink = uplink or SyncUplink(Link(comms.glob, WAN, stats), topo, timeout)
-        self.k2 = k2
+        self.policy: LocalPolicy = policy or UpNow()
         self.on_nonfinite = on_nonfinite
         self.timeout = timeout
         self.stats = stats
         self.bufs = BufferPool()  # key -> sum; (key, worker) -> its push; (key, "out") -> result
-        self.avg_rounds: dict[int, int] = {}  # per key
-        # Streaming HFA: fragments go global on staggered rounds (geompi.ps.fragments); with
-        # overlap, a fragment's global result is merged at its next datacenter round instead
-        # of being waited for: key -> (result requests, result buffer).
-        self.fragments, self.overlap, self.mix = fragments, overlap, mix
-        self.fragment_of: dict[int, int] = {}
-        self.staggered = 1  # the fragments the keys make, staggered over K2 rounds
-        # Test hook: GEOMPI_TEST_ROUND_LOG=DIR writes, per datacenter, the keys that went global
-        # at each AVG round and the fragment plan, when the workers stop.
-        self.round_log: list[list[int]] | None = [] if os.environ.get(_ROUND_LOG) else None
+        # Overlapped keys (Routing.overlapped): their global result is merged at the key's next
+        # round instead of being waited for: key -> (result requests, result buffer).
         self.pending: dict[int, tuple[Requests, torch.Tensor]] = {}
-        # HFA's adaptive cadence (rounds with a K2 in their header): each global exchange's
-        # time, scaled to the whole model, since the workers were last told (geompi.sync.hfa)
+        # Timed exchanges (Routing.timed): each one's time, scaled to the whole model, since
+        # the workers were last told (TAG_EXCHANGES)
         self.exchange_s: list[float] = []
         self.skipped = 0
         self.workers = topo.workers(self.dc)
@@ -315,7 +301,7 @@ class LocalServer:
         # test hook: lost once its first key of that step's round has gone up (a round the
         # global servers have begun to apply)
         self._kill_mid = faults.fault_step("GEOMPI_FAULT_KILL_MID", comms.world.Get_rank())
-        if hasattr(self.uplink, "kill_deposited"):  # MixedSync: lost once it has deposited
+        if hasattr(self.uplink, "kill_deposited"):  # one-sided tier: lost once it has deposited
             self.uplink.kill_deposited = (self._kill_mid, comms.world.Get_rank())
             self._kill_mid = -1
         # test hook: lost as that step's checkpoint (SAVE) round reaches it
@@ -332,10 +318,32 @@ class LocalServer:
         self.lan = Link(self.comms.dc, LAN, self.stats)
         self.workers = self.topo.workers(self.dc)
         self.uplink.rejoin(Link(self.comms.glob, WAN, self.stats), self.topo)
-        self.avg_rounds.clear()
+        self.policy.rejoin()
 
     def serve_round(self) -> bool:
+        """Serve one round of the datacenter's workers; False once they sent STOP."""
         reqs = Requests(self.stats, self.timeout, f"the workers of datacenter {self.dc}")
+        rnd, weight, spec = self._receive_header(reqs)
+        if self.pending:  # an overlapped exchange: its send buffers are reused below
+            self.uplink.finish_sends()
+            if not self.policy.keeps_late(rnd):  # the end (or a save): never merged, dropped
+                for results, _ in self.pending.values():
+                    results.wait()
+                self.pending.clear()
+        if rnd.op is Op.SAVE:
+            self.uplink.save(rnd, self.dc)
+            return True
+        bufs = [self.bufs.get(k, n) for k, n in rnd.keys]
+        if rnd.op is Op.STOP:  # MixedSync's STOP carries keys: the final global parameters
+            self.policy.stopped(self.dc)
+            self.uplink.stop(rnd, bufs)
+            self._send_results(reqs, bufs)
+            return False
+        self._serve_keys(reqs, rnd, weight, spec, bufs)
+        return True
+
+    def _receive_header(self, reqs: Requests) -> tuple[Round, float, bytes | None]:
+        """The round the workers agree on, its weight (the datacenter's), and its spec."""
         mine = torch.zeros(header_len(), dtype=torch.float64)
         headers = torch.zeros(self.lan.size, header_len(), dtype=torch.float64)
         self.lan.igather(reqs, mine, headers, 0)
@@ -361,109 +369,20 @@ class LocalServer:
                 f"the spec from the master worker of datacenter {self.dc}",
             )  # fmt: skip
             spec = spec_t.numpy().tobytes()
-        if self.pending:  # an overlapped exchange: its send buffers are reused below
-            self.uplink.finish_sends()
-            if rnd.op is not Op.AVG:  # the end (or a save): results never merged are dropped
-                for results, _ in self.pending.values():
-                    results.wait()
-                self.pending.clear()
-        if rnd.op is Op.SAVE:
-            self.uplink.save(rnd, self.dc)
-            return True
-        bufs = [self.bufs.get(k, n) for k, n in rnd.keys]
-        if rnd.op is Op.STOP:  # MixedSync's STOP carries keys: the final global parameters
-            self._write_round_log()
-            self.uplink.stop(rnd, bufs)
-            self._send_results(reqs, bufs)
-            return False
+        return rnd, weight, spec
+
+    def _serve_keys(
+        self, reqs: Requests, rnd: Round, weight: float, spec: bytes | None, bufs: list
+    ) -> None:
+        """An INIT, gradient or value round: sum the pushes, send up the keys the policy
+        routes up, answer every worker."""
         incoming = self._receive_pushes(rnd, bufs)
-        due = set(range(len(bufs)))  # the keys that go on to the global tier
-        if rnd.op is Op.INIT:  # fewer fragments than asked where the keys are fewer
-            self.fragment_of = fragment_plan(rnd.keys, self.fragments)
-            self.staggered = max(self.fragment_of.values(), default=0) + 1
-        # The workers make a round global (FLAG_GLOBAL: close(), the CLI's checkpoints): every
-        # key goes up now, streaming's overlap waits for the result, so the round ends on one
-        # global model, and the staggered schedule starts again after it.
-        forced = rnd.op is Op.AVG and bool(rnd.flags & FLAG_GLOBAL)
-        # K2 is the workers' where they choose it (adaptive cadence, rnd.k2), else this server's
-        k2 = rnd.k2 or self.k2
-        if rnd.op is Op.AVG:  # K2 is counted per key: GeoMX users push one key per round
-            for k, _ in rnd.keys:
-                self.avg_rounds[k] = self.avg_rounds.get(k, 0) + 1
-            due = {
-                i
-                for i, (k, _) in enumerate(rnd.keys)
-                if forced
-                or is_global(self.avg_rounds[k], self.fragment_of.get(k, 0), self.staggered, k2)
-            }
-        if forced:
-            self.avg_rounds.update({k: 0 for k, _ in rnd.keys})
-        elif rnd.k2:  # a chosen K2 may change after a cycle: every fragment went up once in it
-            self.avg_rounds.update({k: 0 for k, _ in rnd.keys if self.avg_rounds[k] >= k2})
-        if rnd.op is Op.AVG and self.round_log is not None:
-            self.round_log.append([rnd.keys[i][0] for i in sorted(due)])
-        overlapped = self.overlap and rnd.op is Op.AVG and not forced
+        routing = self.policy.route(rnd)
+        due = set(routing.up)  # the keys that go on to the global tier
         up_index = {i: u for u, i in enumerate(sorted(due))}
-        started = None  # when the first key went up
         if due:
-            flags = rnd.flags & ~(FLAG_SCATTER | FLAG_STATS)
-            flags |= FLAG_GLOBAL if rnd.op is Op.AVG else 0
-            if forced:  # under a lossy codec: uncompressed, both ends' replicas reset
-                flags |= FLAG_EXACT
-            if mean_position(rnd) not in due:  # the buffers' key stays here this round
-                flags &= ~FLAG_MEAN
-            if not self._may_skip(rnd):
-                flags |= FLAG_WEIGHT_FINAL  # a non-finite sum raises: the weight stays
-            self.uplink.begin(
-                Round(
-                    rnd.op,
-                    rnd.round_id,
-                    [rnd.keys[i] for i in sorted(due)],
-                    weight,
-                    0,
-                    flags,
-                    rnd.step,
-                ),
-                spec,
-            )
-        pos = presence_position(rnd)
-        order = list(range(len(bufs)))
-        if pos is not None and getattr(self.uplink, "presence_first", False):
-            order.insert(0, order.pop(pos))  # it says which values each push leaves out
-        for i in order:
-            total, (reqs_i, per_worker) = bufs[i], incoming[i]
-            reqs_i.wait()
-            if per_worker is None:  # scattered: the workers' summed slices landed in place
-                self._lan_hold(self.lan_port and self.lan_port.down, total.numel())
-            elif i == pos:
-                arrived = sum(received_presence(b) for b in per_worker)
-                self.stats.received[LAN] += arrived
-                self._lan_hold(self.lan_port and self.lan_port.down, arrived // 4)
-            else:
-                numel = total.numel() * len(per_worker)
-                self._lan_hold(self.lan_port and self.lan_port.down, numel)
-            if per_worker is not None:
-                if per_worker[0] is not total:
-                    total.copy_(per_worker[0])
-                for buf in per_worker[1:]:
-                    total.add_(buf)
-            if self._judges_finite(rnd) and not all_finite(total):
-                weight = self._nonfinite(rnd)  # raises, or 0: the global servers skip us
-            if forced and rnd.keys[i][0] in self.pending:  # last round's result merges first
-                self._merge_pending(rnd.keys[i][0], total.div_(weight))
-                total.mul_(weight)
-            if i in due:
-                started = started or time.perf_counter()
-                self.uplink.send_key(up_index[i], presence_payload(total) if i == pos else total)
-                if rnd.step == self._kill_mid:
-                    self.uplink.sends.wait()
-                    time.sleep(0.5)  # let the key reach the global servers
-                    faults.kill_self(self.comms.world.Get_rank())
-                if overlapped:  # the workers get the datacenter average now
-                    self.bufs.get((rnd.keys[i][0], "dc"), total.numel()).copy_(total).div_(weight)
-            else:  # an HFA datacenter average (a non-finite one raised above)
-                total.div_(weight)
-                self._merge_pending(rnd.keys[i][0], total)
+            self._begin_up(rnd, weight, spec, routing)
+        weight, started = self._sum_keys(rnd, weight, bufs, incoming, routing)
         outs, results = bufs, []
         if due:
             self.uplink.end(weight)
@@ -473,12 +392,14 @@ class LocalServer:
             ]
             up = [outs[i] for i in sorted(due)]
             results = (
-                self.uplink.receive(up, block=False) if overlapped else self.uplink.receive(up)
+                self.uplink.receive(up, block=False)
+                if routing.overlapped
+                else self.uplink.receive(up)
             )
-            if rnd.k2 and rnd.op is Op.AVG:  # adaptive cadence: time it, for the workers
+            if routing.timed:  # e.g. HFA's adaptive cadence: time it, for the workers
                 whole = sum(n for _, n in rnd.keys) / max(1, sum(rnd.keys[i][1] for i in due))
                 self._time_exchange(results, started, whole)
-        if overlapped and due:  # answer with the datacenter averages; merge the global later
+        if routing.overlapped and due:  # answer with the datacenter means; merge the global later
             for i in due:
                 key, n = rnd.keys[i]
                 self.pending[key] = (results[up_index[i]], outs[i])
@@ -489,6 +410,7 @@ class LocalServer:
                 r.wait()
             self._emulate_slowdown()
         ready = {i: results[up_index[i]] for i in due}
+        pos = presence_position(rnd)
         if pos is not None:  # the workers need no presence back
             outs = [b[:0] if i == pos else b for i, b in enumerate(outs)]
         if rnd.flags & FLAG_STATS:  # before the results: no worker waits for another's
@@ -499,16 +421,69 @@ class LocalServer:
         self._round_end = time.perf_counter()
         if rnd.op is Op.INIT:  # the time split covers training, not the start-up
             self.stats.reset_time()
-        return True
 
-    def _write_round_log(self) -> None:
-        if self.round_log is None:
-            return
-        path = os.path.join(os.environ[_ROUND_LOG], f"rounds-dc{self.dc}.jsonl")
-        with open(path, "a") as f:  # one line per job (per DistributedOptimizer)
-            log = {"global_keys": self.round_log, "fragment_of": self.fragment_of}
-            f.write(json.dumps(log) + "\n")
-        self.round_log = []
+    def _begin_up(self, rnd: Round, weight: float, spec: bytes | None, routing: Routing) -> None:
+        """The header of the round's keys that go up, to the global tier."""
+        flags = (rnd.flags & ~(FLAG_SCATTER | FLAG_STATS)) | routing.flags
+        if mean_position(rnd) not in routing.up:  # the buffers' key stays here this round
+            flags &= ~FLAG_MEAN
+        if not self._may_skip(rnd):
+            flags |= FLAG_WEIGHT_FINAL  # a non-finite sum raises: the weight stays
+        keys = [rnd.keys[i] for i in sorted(routing.up)]
+        self.uplink.begin(Round(rnd.op, rnd.round_id, keys, weight, 0, flags, rnd.step), spec)
+
+    def _sum_keys(
+        self, rnd: Round, weight: float, bufs: list, incoming: list, routing: Routing
+    ) -> tuple[float, float | None]:
+        """Sum each key's pushes as they arrive and send it up (or answer its datacenter mean);
+        returns the round's weight (0 once a non-finite sum skips it) and when the first key
+        went up."""
+        due, pos = routing.up, presence_position(rnd)
+        up_index = {i: u for u, i in enumerate(sorted(due))}
+        started = None  # when the first key went up
+        order = list(range(len(bufs)))
+        if pos is not None and getattr(self.uplink, "presence_first", False):
+            order.insert(0, order.pop(pos))  # it says which values each push leaves out
+        for i in order:
+            total, (reqs_i, per_worker) = bufs[i], incoming[i]
+            reqs_i.wait()
+            self._hold_arrived(total, per_worker, i == pos)
+            if per_worker is not None:
+                if per_worker[0] is not total:
+                    total.copy_(per_worker[0])
+                for buf in per_worker[1:]:
+                    total.add_(buf)
+            if self._judges_finite(rnd) and not all_finite(total):
+                weight = self._nonfinite(rnd)  # raises, or 0: the global servers skip us
+            key = rnd.keys[i][0]
+            if routing.merge_first and key in self.pending:  # last round's result first
+                self._merge_pending(key, total.div_(weight))
+                total.mul_(weight)
+            if i in due:
+                started = started or time.perf_counter()
+                self.uplink.send_key(up_index[i], presence_payload(total) if i == pos else total)
+                if rnd.step == self._kill_mid:
+                    self.uplink.sends.wait()
+                    time.sleep(0.5)  # let the key reach the global servers
+                    faults.kill_self(self.comms.world.Get_rank())
+                if routing.overlapped:  # the workers get the datacenter mean now
+                    self.bufs.get((key, "dc"), total.numel()).copy_(total).div_(weight)
+            else:  # kept in the datacenter: its mean (a non-finite one raised above)
+                total.div_(weight)
+                self._merge_pending(key, total)
+        return weight, started
+
+    def _hold_arrived(self, total: torch.Tensor, per_worker: list | None, presence: bool) -> None:
+        """--lan-bandwidth: hold until the emulated LAN port has taken in a key's pushes."""
+        if per_worker is None:  # scattered: the workers' summed slices landed in place
+            self._lan_hold(self.lan_port and self.lan_port.down, total.numel())
+        elif presence:
+            arrived = sum(received_presence(b) for b in per_worker)
+            self.stats.received[LAN] += arrived
+            self._lan_hold(self.lan_port and self.lan_port.down, arrived // 4)
+        else:
+            numel = total.numel() * len(per_worker)
+            self._lan_hold(self.lan_port and self.lan_port.down, numel)
 
     def _time_exchange(self, results: list[Requests], started: float, whole: float) -> None:
         """Adaptive cadence: record when the last of this global exchange's results is in
@@ -550,18 +525,14 @@ class LocalServer:
         for j in range(len(self.workers)):
             reqs.add(self.lan.comm.Isend(self._told, 1 + j, TAG_STATS), LAN)
 
-    def _merge_pending(self, key: int, average: torch.Tensor) -> None:
-        """Streaming HFA with overlap: the global result of this key's previous round arrives
-        now (a delay of one datacenter round) and is mixed into the datacenter average:
-        ``mix * global + (1 - mix) * average`` (mix 1: the global values replace it)."""
+    def _merge_pending(self, key: int, mean: torch.Tensor) -> None:
+        """An overlapped key: the global result of its previous round arrives now (a delay of
+        one datacenter round) and the policy merges it into the datacenter's ``mean``."""
         if key not in self.pending:
             return
         reqs, result = self.pending.pop(key)
         reqs.wait()
-        if self.mix == 1.0:
-            average.copy_(result)
-        else:
-            average.mul_(1.0 - self.mix).add_(result, alpha=self.mix)
+        self.policy.merge(key, mean, result)
 
     def _emulate_slowdown(self) -> None:
         """``--dc-slowdown``: hold the round so this datacenter's steps take ``slowdown`` times

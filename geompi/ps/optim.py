@@ -10,7 +10,6 @@ out here.
 from __future__ import annotations
 
 import json
-import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -407,95 +406,6 @@ def make_spec(
     raise ConfigError(f"unknown --optimizer {name!r}: choose one of {', '.join(OPTIMIZERS)}")
 
 
-# HFA's outer optimizers (DiLoCo's outer step): the torch.optim classes allowed, by name, and
-# the settings each takes besides lr (``HFA(outer_kwargs=...)``, ``--outer-momentum``).
-OUTER_OPTIMIZERS: dict[str, tuple[type, tuple[str, ...]]] = {
-    "sgd": (torch.optim.SGD, ("momentum", "dampening", "weight_decay")),
-    "nesterov": (torch.optim.SGD, ("momentum", "dampening", "weight_decay")),
-    "adam": (torch.optim.Adam, ("betas", "eps", "weight_decay")),
-    "adamw": (torch.optim.AdamW, ("betas", "eps", "weight_decay")),
-}
-# The state each keeps on a global server, per key slice, as torch names it (``outer_``+name
-# on the servers, in checkpoints and in ``DistributedOptimizer.state_dict``'s geompi keys).
-OUTER_STATE = {"momentum_buffer": "outer_momentum", "exp_avg": "outer_exp_avg"}
-OUTER_STATE |= {"exp_avg_sq": "outer_exp_avg_sq", "step": "outer_step"}
-
-
-def outer_spec(spec: Mapping) -> Spec:
-    """The torch optimizer an outer spec (``{"name", "lr", ...settings}``) describes, as a
-    spec of this module: ``nesterov`` is SGD with Nesterov momentum (0.9 unless given)."""
-    d = dict(spec)
-    name = d.pop("name", "sgd")
-    if name not in OUTER_OPTIMIZERS:
-        raise ConfigError(f"outer optimizer {name!r}: choose one of {', '.join(OUTER_OPTIMIZERS)}")
-    lr = float(d.pop("lr", 1.0))
-    if not math.isfinite(lr):
-        raise ConfigError(f"--outer-lr {lr}: must be a finite number")
-    unknown = set(d) - set(OUTER_OPTIMIZERS[name][1])
-    if unknown:
-        raise ConfigError(
-            f"outer optimizer {name}: unknown setting {', '.join(sorted(unknown))} (it takes "
-            f"{', '.join(OUTER_OPTIMIZERS[name][1])})"
-        )
-    if "betas" in d:
-        d["betas"] = tuple(float(b) for b in d["betas"])
-    if name == "nesterov":
-        return SGD(lr=lr, nesterov=True, **{"momentum": 0.9, **d})
-    return {"sgd": SGD, "adam": Adam, "adamw": AdamW}[name](lr=lr, **d)
-
-
-def outer_state_names(spec: Mapping | None) -> set[str]:
-    """The state names (``outer_...``) the outer optimizer of ``spec`` keeps; none for the
-    plain average."""
-    s = None if spec is None else outer_spec(spec)
-    if s is None or (isinstance(s, SGD) and not s.momentum):
-        return set()
-    if isinstance(s, SGD):
-        return {"outer_momentum"}
-    return {"outer_exp_avg", "outer_exp_avg_sq", "outer_step"}
-
-
-@torch.no_grad()
-def outer_step(
-    value: torch.Tensor, average: torch.Tensor, spec: Mapping | None, state: dict[str, torch.Tensor]
-) -> None:
-    """HFA's outer optimizer: one step of the torch optimizer ``spec`` names on ``value``, with
-    ``value - average`` as its gradient (DiLoCo's pseudo-gradient); its state in ``state``.
-
-    torch's own single-tensor step (what ``torch.optim``'s ``step`` runs with
-    ``foreach=False``) on this server's slice: the arithmetic of ``torch.optim`` elementwise.
-    Plain averaging (no spec, or SGD with lr 1, no momentum, no weight decay) assigns the
-    average exactly.
-    """
-    s = SGD(lr=1.0) if spec is None else outer_spec(spec)
-    if isinstance(s, SGD) and s.lr == 1.0 and not s.momentum and not s.weight_decay:
-        value.copy_(average)
-        return
-    grad = value - average
-    if isinstance(s, SGD):
-        bufs = [state.get("outer_momentum")] if s.momentum else []
-        sgd(
-            [value], [grad], bufs, foreach=False, weight_decay=s.weight_decay,
-            momentum=s.momentum, lr=s.lr, dampening=s.dampening, nesterov=s.nesterov,
-            maximize=False,
-        )  # fmt: skip
-        if s.momentum:
-            state["outer_momentum"] = bufs[0]
-        return
-    if "outer_step" not in state:  # torch's lazy state: a step count and two zero moments
-        scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
-        state["outer_step"] = torch.tensor(0.0, dtype=scalar)
-        state["outer_exp_avg"] = torch.zeros_like(value)
-        state["outer_exp_avg_sq"] = torch.zeros_like(value)
-    beta1, beta2 = s.betas
-    adam(
-        [value], [grad], [state["outer_exp_avg"]], [state["outer_exp_avg_sq"]], [],
-        [state["outer_step"]], foreach=False, decoupled_weight_decay=s.decoupled_weight_decay,
-        amsgrad=False, beta1=beta1, beta2=beta2, lr=s.lr, weight_decay=s.weight_decay,
-        eps=s.eps, maximize=False,
-    )  # fmt: skip
-
-
 class ServerTorchStep:
     """A server's SGD, Adam or AdamW over some parameters: torch's single-tensor functional
     optimizers (what ``torch.optim``'s own step calls with ``foreach=False``), with the state
@@ -553,7 +463,8 @@ class ServerTorchStep:
 
 
 def torch_optimizer(spec: Spec, params) -> torch.optim.Optimizer:
-    """The ``torch.optim`` optimizer of an SGD/Adam/AdamW spec: the CLI's HFA workers'."""
+    """The ``torch.optim`` optimizer of an SGD/Adam/AdamW spec: the CLI's workers' own, where
+    they step locally."""
     if isinstance(spec, DCASGD):
         raise ConfigError("DCASGD runs at the global servers only: use it with --sync mixed or fsa")
     if isinstance(spec, SGD):

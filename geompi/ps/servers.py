@@ -7,6 +7,7 @@ from geompi.comm.transport import WAN, Link, LinkStats
 from geompi.ps.async_tier import AsyncGlobalServer, AsyncUplink
 from geompi.ps.global_server import GlobalServer
 from geompi.ps.local_server import LocalServer, SyncUplink
+from geompi.ps.policy import GlobalPolicy, LocalPolicy
 from geompi.ps.wan import TierCodec, WanSettings
 
 
@@ -16,18 +17,18 @@ def build_server(
     stats: LinkStats,
     *,
     asynchronous: bool = False,
-    k2: int = 1,
+    local_policy: LocalPolicy | None = None,
+    global_policy: GlobalPolicy | None = None,
     on_nonfinite: str = "abort",
     timeout: float | None = None,
     max_staleness: int | None = None,
     slowdown: dict[int, float] | None = None,
     wan: WanSettings | None = None,
-    streaming: dict | None = None,
 ) -> LocalServer | GlobalServer:
     """The LocalServer or GlobalServer of this rank. The algorithms (geompi.sync) choose the
-    settings: ``asynchronous`` puts the one-sided global tier in (MixedSync's), ``k2`` is how
-    many datacenter rounds make one global round, ``streaming`` (``fragments``, ``overlap`` and
-    ``mix``, see LocalServer) syncs the model in fragments.
+    settings: ``asynchronous`` puts the one-sided global tier in, and the policies
+    (geompi.ps.policy; the plain ones where None) say what the local server does with a round
+    (``local_policy``) and what the global server does with a value round (``global_policy``).
 
     ``wan`` emulates the links (at the local servers, which own their datacenter's WAN link)
     and sets the global tier's compression (on both tiers' servers).
@@ -39,7 +40,9 @@ def build_server(
     codec = TierCodec(compressor) if compressor.name != "none" else None
     if role is Role.GLOBAL_SERVER:  # staggered: the local servers' watchdog speaks first
         cls = AsyncGlobalServer if asynchronous else GlobalServer
-        return cls(comms, topo, stats, timeout=timeout and 2 * timeout, codec=codec)
+        return cls(
+            comms, topo, stats, timeout=timeout and 2 * timeout, codec=codec, policy=global_policy
+        )
     if role is not Role.LOCAL_SERVER:
         raise ValueError(f"rank {rank} is a worker, not a server")
     # The watchdog grows with the distance to whoever may be stuck, so the rank next to it
@@ -55,11 +58,10 @@ def build_server(
         comms,
         topo,
         stats,
-        k2=k2,
+        policy=local_policy,
         on_nonfinite=on_nonfinite,
         timeout=timeout,
         uplink=uplink,
         slowdown=(slowdown or {}).get(dc, 1.0),
         lan_model=wan.lan,
-        **(streaming or {}),
     )

@@ -21,6 +21,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from geompi.ps.policy import Assign, GlobalPolicy, LocalPolicy, UpNow
+
 
 @dataclass(frozen=True)
 class WanPattern:
@@ -144,6 +146,16 @@ class Algorithm:
     def cli_optimizer(self, cfg, params) -> tuple[object, dict]:
         """The CLI's workers' optimizer for these flags, and the servers' spec."""
         raise NotImplementedError
+
+    def local_policy(self) -> LocalPolicy:
+        """What this algorithm's local servers do with a round (geompi.ps.policy); here every
+        key of every round goes on to the global tier now."""
+        return UpNow()
+
+    def global_policy(self) -> GlobalPolicy:
+        """What this algorithm's global servers do with a value round's average (geompi.ps.policy);
+        here it becomes the global value."""
+        return Assign()
 
     def make_server(self, topo, comms, stats, **common):
         """The server this rank plays (a local or a global server) for this algorithm.

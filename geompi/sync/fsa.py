@@ -64,7 +64,8 @@ class FSA(Algorithm):
     def make_server(self, topo, comms, stats, **common):
         from geompi.ps.servers import build_server  # MPI loads with the servers, not before
 
-        return build_server(topo, comms, stats, **_sync_tier(common))
+        policies = {"local_policy": self.local_policy(), "global_policy": self.global_policy()}
+        return build_server(topo, comms, stats, **policies, **_sync_tier(common))
 
     def wan_pattern(self, global_servers: int) -> WanPattern:
         """One round a step, the whole model up (gradients) and back (gradients or parameters):

@@ -10,26 +10,24 @@ merged one round later); the global servers average datacenters and step the out
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import statistics
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
+from torch.optim.adam import adam
+from torch.optim.sgd import sgd
 
 from geompi.errors import MAX_LR, MAX_STEPS, ConfigError, positive_number
-from geompi.ps.fragments import shift
-from geompi.ps.optim import (
-    OUTER_OPTIMIZERS,
-    SGD,
-    make_spec,
-    outer_spec,
-    outer_state_names,
-    outer_step,
-    torch_optimizer,
-)
-from geompi.ps.protocol import MAX_KEYS
+from geompi.ps.fragments import fragment_plan, is_global, shift
+from geompi.ps.optim import SGD, Adam, AdamW, make_spec, torch_optimizer
+from geompi.ps.policy import Routing
+from geompi.ps.protocol import FLAG_EXACT, FLAG_GLOBAL, MAX_KEYS, Op, Round
 from geompi.sync.base import Algorithm, WanPattern, number, whole_number
 from geompi.sync.fsa import _sync_tier
 
@@ -307,17 +305,19 @@ class HFA(Algorithm):
         (elementwise: each server holds one slice of every key)."""
         outer_step(value, average, spec, state)
 
-    def make_server(self, topo, comms, stats, **common):
-        from geompi.ps.global_server import GlobalServer
-        from geompi.ps.servers import build_server  # MPI loads with the servers, not before
-
-        streaming = {"fragments": self.fragments, "overlap": self.overlap, "mix": self.mix}
+    def local_policy(self) -> HFALocal:
         # adaptive: every round brings the K2 the workers chose (Round.k2), never this one
         k2 = 2**31 if self.adaptive else self.k2
-        server = build_server(topo, comms, stats, k2=k2, streaming=streaming, **_sync_tier(common))
-        if isinstance(server, GlobalServer):
-            server.outer_rule = self.outer_rule
-        return server
+        return HFALocal(k2, self.fragments, self.overlap, self.mix)
+
+    def global_policy(self) -> OuterStep:
+        return OuterStep(self.outer_rule)
+
+    def make_server(self, topo, comms, stats, **common):
+        from geompi.ps.servers import build_server  # MPI loads with the servers, not before
+
+        policies = {"local_policy": self.local_policy(), "global_policy": self.global_policy()}
+        return build_server(topo, comms, stats, **policies, **_sync_tier(common))
 
     def wan_pattern(self, global_servers: int) -> WanPattern:
         """A cycle of K2 datacenter rounds of K1 steps: plain HFA sends the whole model at the
@@ -534,3 +534,195 @@ class Cadence:
                 }
             )
             self.k2 = k2
+
+
+# ---- the outer optimizer, stepped by the global servers (OuterStep) -----------------------------
+# HFA's outer optimizers (DiLoCo's outer step): the torch.optim classes allowed, by name, and
+# the settings each takes besides lr (``HFA(outer_kwargs=...)``, ``--outer-momentum``).
+OUTER_OPTIMIZERS: dict[str, tuple[type, tuple[str, ...]]] = {
+    "sgd": (torch.optim.SGD, ("momentum", "dampening", "weight_decay")),
+    "nesterov": (torch.optim.SGD, ("momentum", "dampening", "weight_decay")),
+    "adam": (torch.optim.Adam, ("betas", "eps", "weight_decay")),
+    "adamw": (torch.optim.AdamW, ("betas", "eps", "weight_decay")),
+}
+# The state each keeps on a global server, per key slice, as torch names it (``outer_``+name
+# on the servers, in checkpoints and in ``DistributedOptimizer.state_dict``'s geompi keys).
+OUTER_STATE = {"momentum_buffer": "outer_momentum", "exp_avg": "outer_exp_avg"}
+OUTER_STATE |= {"exp_avg_sq": "outer_exp_avg_sq", "step": "outer_step"}
+
+
+def outer_spec(spec: Mapping) -> SGD | Adam:
+    """The torch optimizer an outer spec (``{"name", "lr", ...settings}``) describes, as a
+    spec of this module: ``nesterov`` is SGD with Nesterov momentum (0.9 unless given)."""
+    d = dict(spec)
+    name = d.pop("name", "sgd")
+    if name not in OUTER_OPTIMIZERS:
+        raise ConfigError(f"outer optimizer {name!r}: choose one of {', '.join(OUTER_OPTIMIZERS)}")
+    lr = float(d.pop("lr", 1.0))
+    if not math.isfinite(lr):
+        raise ConfigError(f"--outer-lr {lr}: must be a finite number")
+    unknown = set(d) - set(OUTER_OPTIMIZERS[name][1])
+    if unknown:
+        raise ConfigError(
+            f"outer optimizer {name}: unknown setting {', '.join(sorted(unknown))} (it takes "
+            f"{', '.join(OUTER_OPTIMIZERS[name][1])})"
+        )
+    if "betas" in d:
+        d["betas"] = tuple(float(b) for b in d["betas"])
+    if name == "nesterov":
+        return SGD(lr=lr, nesterov=True, **{"momentum": 0.9, **d})
+    return {"sgd": SGD, "adam": Adam, "adamw": AdamW}[name](lr=lr, **d)
+
+
+def outer_state_names(spec: Mapping | None) -> set[str]:
+    """The state names (``outer_...``) the outer optimizer of ``spec`` keeps; none for the
+    plain average."""
+    s = None if spec is None else outer_spec(spec)
+    if s is None or (isinstance(s, SGD) and not s.momentum):
+        return set()
+    if isinstance(s, SGD):
+        return {"outer_momentum"}
+    return {"outer_exp_avg", "outer_exp_avg_sq", "outer_step"}
+
+
+@torch.no_grad()
+def outer_step(
+    value: torch.Tensor, average: torch.Tensor, spec: Mapping | None, state: dict[str, torch.Tensor]
+) -> None:
+    """HFA's outer optimizer: one step of the torch optimizer ``spec`` names on ``value``, with
+    ``value - average`` as its gradient (DiLoCo's pseudo-gradient); its state in ``state``.
+
+    torch's own single-tensor step (what ``torch.optim``'s ``step`` runs with
+    ``foreach=False``) on this server's slice: the arithmetic of ``torch.optim`` elementwise.
+    Plain averaging (no spec, or SGD with lr 1, no momentum, no weight decay) assigns the
+    average exactly.
+    """
+    s = SGD(lr=1.0) if spec is None else outer_spec(spec)
+    if isinstance(s, SGD) and s.lr == 1.0 and not s.momentum and not s.weight_decay:
+        value.copy_(average)
+        return
+    grad = value - average
+    if isinstance(s, SGD):
+        bufs: list[torch.Tensor | None] = [state.get("outer_momentum")] if s.momentum else []
+        sgd(
+            [value], [grad], bufs, foreach=False, weight_decay=s.weight_decay,
+            momentum=s.momentum, lr=s.lr, dampening=s.dampening, nesterov=s.nesterov,
+            maximize=False,
+        )  # fmt: skip
+        if s.momentum and bufs[0] is not None:  # torch made it on the first step
+            state["outer_momentum"] = bufs[0]
+        return
+    if "outer_step" not in state:  # torch's lazy state: a step count and two zero moments
+        scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+        state["outer_step"] = torch.tensor(0.0, dtype=scalar)
+        state["outer_exp_avg"] = torch.zeros_like(value)
+        state["outer_exp_avg_sq"] = torch.zeros_like(value)
+    beta1, beta2 = s.betas
+    adam(
+        [value], [grad], [state["outer_exp_avg"]], [state["outer_exp_avg_sq"]], [],
+        [state["outer_step"]], foreach=False, decoupled_weight_decay=s.decoupled_weight_decay,
+        amsgrad=False, beta1=beta1, beta2=beta2, lr=s.lr, weight_decay=s.weight_decay,
+        eps=s.eps, maximize=False,
+    )  # fmt: skip
+
+
+# ---- the server policies (geompi.ps.policy) ---------------------------------------------------
+ROUND_LOG = "GEOMPI_TEST_ROUND_LOG"
+
+
+class HFALocal:
+    """HFA's local server policy. Every value round is a datacenter average; every K2-th one
+    of a key (counted per key: GeoMX users push one key per round) goes on to the global tier.
+    K2 is the workers' where they choose it (adaptive cadence: ``Round.k2``), else ``k2``.
+
+    Streaming: the keys make ``fragments`` fragments (``fragment_plan`` at INIT), global on
+    staggered rounds; with ``overlap`` a fragment's global result is not waited for but merged
+    at its next datacenter round, as ``mix * global + (1 - mix) * local``. A round the workers
+    force global (FLAG_GLOBAL: close(), the CLI's checkpoints) sends every key up now, exactly
+    (FLAG_EXACT), merges late results first and waits for its own, so the round ends on one
+    global model, and the counting starts again after it.
+
+    Test hook: ``GEOMPI_TEST_ROUND_LOG=DIR`` writes, per datacenter, the keys that went global
+    at each value round and the fragment plan, when the workers stop.
+    """
+
+    def __init__(self, k2: int, fragments: int = 1, overlap: bool = False, mix: float = 1.0):
+        self.k2, self.fragments, self.overlap, self.mix = k2, fragments, overlap, mix
+        self.rounds: dict[int, int] = {}  # per key: datacenter averages since its cycle began
+        self.fragment_of: dict[int, int] = {}
+        self.staggered = 1  # the fragments the keys make, staggered over K2 rounds
+        self.round_log: list[list[int]] | None = [] if os.environ.get(ROUND_LOG) else None
+
+    def route(self, rnd: Round) -> Routing:
+        if rnd.op is Op.INIT:  # fewer fragments than asked where the keys are fewer
+            self.fragment_of = fragment_plan(rnd.keys, self.fragments)
+            self.staggered = max(self.fragment_of.values(), default=0) + 1
+        if rnd.op is not Op.AVG:
+            return Routing.all_up(rnd)
+        forced = bool(rnd.flags & FLAG_GLOBAL)
+        k2 = rnd.k2 or self.k2
+        for k, _ in rnd.keys:
+            self.rounds[k] = self.rounds.get(k, 0) + 1
+        up = frozenset(
+            i
+            for i, (k, _) in enumerate(rnd.keys)
+            if forced or is_global(self.rounds[k], self.fragment_of.get(k, 0), self.staggered, k2)
+        )
+        if forced:
+            self.rounds.update({k: 0 for k, _ in rnd.keys})
+        elif rnd.k2:  # a chosen K2 may change after a cycle: every fragment went up once in it
+            self.rounds.update({k: 0 for k, _ in rnd.keys if self.rounds[k] >= k2})
+        if self.round_log is not None:
+            self.round_log.append([rnd.keys[i][0] for i in sorted(up)])
+        return Routing(
+            up,
+            flags=FLAG_GLOBAL | (FLAG_EXACT if forced else 0),  # exact: whole values both ways
+            merge_first=forced,
+            overlapped=self.overlap and not forced,
+            timed=bool(rnd.k2),
+        )
+
+    def keeps_late(self, rnd: Round) -> bool:
+        return rnd.op is Op.AVG  # the end or a save drops the results never merged
+
+    def merge(self, key: int, local: torch.Tensor, result: torch.Tensor) -> None:
+        if self.mix == 1.0:
+            local.copy_(result)
+        else:
+            local.mul_(1.0 - self.mix).add_(result, alpha=self.mix)
+
+    def rejoin(self) -> None:
+        self.rounds.clear()
+
+    def stopped(self, dc: int) -> None:
+        if self.round_log is None:
+            return
+        path = os.path.join(os.environ[ROUND_LOG], f"rounds-dc{dc}.jsonl")
+        with open(path, "a") as f:  # one line per job (per DistributedOptimizer)
+            log = {"global_keys": self.round_log, "fragment_of": self.fragment_of}
+            f.write(json.dumps(log) + "\n")
+        self.round_log = []
+
+
+class OuterStep:
+    """HFA's global server policy: at a global average each key of this shard takes a step of
+    ``rule`` (``HFA.outer_rule``: the outer optimizer), from the average of the datacenters,
+    with the spec the INIT round brings (``"outer"``) and the key's own state."""
+
+    def __init__(self, rule=outer_step) -> None:
+        self.rule = rule
+        self.spec: dict | None = None
+        self.state: dict[int, dict[str, torch.Tensor]] = {}
+
+    def configure(self, spec: dict) -> None:
+        if "outer" in spec:
+            self.spec = spec["outer"]
+
+    def average(self, key: int, value: torch.Tensor, average: torch.Tensor) -> None:
+        self.rule(value, average, self.spec, self.state.setdefault(key, {}))
+
+    def state_dict(self) -> dict[int, dict[str, torch.Tensor]]:
+        return self.state
+
+    def load_state_dict(self, state: dict[int, dict[str, torch.Tensor]]) -> None:
+        self.state = {k: dict(st) for k, st in state.items()}

@@ -100,8 +100,9 @@ class MixedSync(Algorithm):
 
         default = common.pop("max_staleness", None)
         staleness = self.max_staleness if self.max_staleness is not None else default
+        policies = {"local_policy": self.local_policy(), "global_policy": self.global_policy()}
         return build_server(
-            topo, comms, stats, asynchronous=True, max_staleness=staleness, **common
+            topo, comms, stats, asynchronous=True, max_staleness=staleness, **policies, **common
         )
 
     def wan_pattern(self, global_servers: int) -> WanPattern:
