@@ -11,7 +11,7 @@ import re
 from typing import Any
 
 from geompi.errors import ConfigError
-from geompi.sync.base import Algorithm
+from geompi.sync.base import Algorithm, WorkerSide
 from geompi.sync.fsa import FSA
 from geompi.sync.hfa import HFA
 from geompi.sync.mixed import MixedSync
@@ -143,4 +143,5 @@ __all__ = [
     "lookup",
     "register",
     "resolve",
+    "WorkerSide",
 ]
