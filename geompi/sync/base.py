@@ -51,7 +51,9 @@ class Engine(Protocol):
     synced: bool
     recovers: bool  # step() survives a lost rank itself (the API), else its caller (the CLI)
     rounds: Any  # geompi.gradients.GradientRounds: the gradient round under way
-    presence_key: int
+
+    @property
+    def presence_key(self) -> int: ...
 
     def keys(self, presence: bool = True) -> list[tuple[int, int]]: ...
     def layout(self) -> list: ...
