@@ -40,8 +40,14 @@ LR, MOMENTUM = 0.1, 0.9
 
 
 def model0() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    """The master worker's model: its values from a generator of its own, never torch's global
+    one, which the other ranks' threads draw from as they build their models."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+    return model
 
 
 def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,7 +65,7 @@ def train(algo, steps: int, monkeypatch) -> dict[int, list[torch.Tensor]]:
     ``step()`` drives it, then closes it; returns each worker's parameters."""
     # the one thing the loopback lacks: MPI's node query (every rank on one node here)
     monkeypatch.setattr(engine_module, "node_share", lambda c: (c.Get_rank(), c.Get_size()))
-    world = LoopbackWorld(TOPO.world_size, timeout=30.0)
+    world = LoopbackWorld(TOPO.world_size, timeout=60.0)  # generous: a loaded machine
 
     def body(rank: int):
         def run():
@@ -69,9 +75,9 @@ def train(algo, steps: int, monkeypatch) -> dict[int, list[torch.Tensor]]:
                 algo.make_server(TOPO, comms, stats).run()
                 return None
             session = Session(cfg=RunConfig(), topo=TOPO, comms=comms, stats=stats, rank=rank)
-            model = model0() if rank == 0 else torch.nn.Sequential(
-                torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2)
-            )  # fmt: skip
+            model = model0()
+            if rank != 0:  # the INIT round gives it the master's values
+                torch.nn.init.zeros_(model[0].weight)
             opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
             engine = Synchronizer(
                 opt, model, algo, session, bucket_mb=1.0, max_grad_norm=None, passes=1,
@@ -87,7 +93,7 @@ def train(algo, steps: int, monkeypatch) -> dict[int, list[torch.Tensor]]:
 
         return run
 
-    out = run_ranks(world, {r: body(r) for r in range(TOPO.world_size)}, timeout=60.0)
+    out = run_ranks(world, {r: body(r) for r in range(TOPO.world_size)}, timeout=180.0)
     return {r: out[r] for r in WORKERS}
 
 
