@@ -65,8 +65,8 @@ if rank == args.rank:
     wanted = {
         "training loop": ("geompi/train.py", "run"),
         "backward": ("~", "<method 'run_backward' of 'torch._C._EngineBase' objects>"),
-        "geompi's backward hook": ("geompi/optimizer.py", "_on_grad"),
-        "geompi's round end": ("geompi/optimizer.py", "_end_backward"),
+        "geompi's backward hook": ("geompi/engine.py", "_on_grad"),
+        "geompi's round end": ("geompi/engine.py", "_end_backward"),
     }
     print(f"rank {rank}, --sync {args.sync}, {args.steps} steps: CPU seconds (cumulative)")
     for label, (path, func) in wanted.items():

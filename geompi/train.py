@@ -58,7 +58,7 @@ from geompi.runtime import (
 
 class Worker:
     """One training process: the loop over its data shard (geompi.data.WorkerData) with its
-    model replica, synchronized by the public API's engine (geompi.optimizer.Synchronizer);
+    model replica, synchronized by the public API's engine (geompi.engine.Synchronizer);
     checkpoints are geompi.checkpointing's, HFA's way back to a global sync is ``Rewind``."""
 
     def __init__(self, cfg: RunConfig, algo, session) -> None:
@@ -129,11 +129,11 @@ class Worker:
         return math.ceil(steps / period) * period
 
     def _make_optimizer(self):
-        """The CLI's optimizer and the public API's worker engine (geompi.optimizer) around
+        """The CLI's optimizer and the public API's worker engine (geompi.engine) around
         it, for the algorithm the flags name (its ``cli_optimizer`` says which optimizer, and
         what the servers are told). The loop drives the engine as DistributedOptimizer's
         ``step()`` does, without the class swap a user's optimizer gets."""
-        from geompi.optimizer import Synchronizer
+        from geompi.engine import Synchronizer
 
         opt, spec = self.algo.cli_optimizer(self.cfg, self.model.parameters())
         engine = Synchronizer(

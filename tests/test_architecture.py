@@ -34,7 +34,11 @@ DISPATCH = re.compile(
     r"""(==|!=|\bin\b|\bis\b)\s*\(?\s*["'](fsa|hfa|mixed)["']|\.(local_steps|independent_dcs|"""
     r"""streaming|server_side|on_servers)\b|\bOp\.(AVG|ASYNC)\b|sync\s*==|\.name\s*=="""
 )
-DISPATCH_ALLOWED = 81  # the redesign brings it to a handful
+DISPATCH_ALLOWED = 34  # the redesign brings it to a handful (90 before this round)
+# The longest class in geompi, in lines (design.md: each tier one small readable piece; the
+# target is 400). The worker engine was 1,029 lines before its split; now the longest is
+# checkpointing.Checkpointing.
+LONGEST_CLASS_ALLOWED = 561
 
 
 # The round engine names no algorithm (design.md: "No algorithm's name"): no identifier or string
@@ -225,6 +229,31 @@ def test_no_new_algorithm_dispatch_outside_sync():
     )
 
 
+def class_lengths() -> list[tuple[int, str]]:
+    """Every class in geompi: its length in lines (decorators left out) and where it is."""
+    out = []
+    for path in sorted(PKG.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                assert node.end_lineno is not None
+                where = f"{path.relative_to(PKG)}:{node.name}"
+                out.append((node.end_lineno - node.lineno + 1, where))
+    return sorted(out)
+
+
+def test_no_class_grows_past_the_longest_today():
+    lengths = class_lengths()
+    longest, where = lengths[-1]
+    assert longest <= LONGEST_CLASS_ALLOWED, (
+        f"{where} is {longest} lines (allowed {LONGEST_CLASS_ALLOWED}): split it, each piece "
+        "one concern (design.md)"
+    )
+    assert longest >= LONGEST_CLASS_ALLOWED - 20, (
+        f"the longest class is now {where}, {longest} lines: lower LONGEST_CLASS_ALLOWED"
+    )
+    assert any(w == "engine.py:Synchronizer" for _, w in lengths)  # the reader sees classes
+
+
 def test_the_graph_is_read():
     """The reader itself: it sees the arrows everyone knows are there (so the ratchets above
     cannot pass by reading nothing)."""
@@ -237,7 +266,7 @@ def test_the_graph_is_read():
 
 # The longest function in geompi (lines, decorators excluded), as a ratchet towards the
 # design's bound of 120: it may only fall.
-LONGEST_FUNCTION_ALLOWED = 169
+LONGEST_FUNCTION_ALLOWED = 143
 FUNCTION_BOUND = 120
 
 
@@ -260,7 +289,7 @@ def test_no_function_grows_past_the_longest_of_today():
         f"the longest function is {found[0][0]} lines now: lower LONGEST_FUNCTION_ALLOWED"
     )
     over = [where for n, where in found if n > FUNCTION_BOUND]
-    assert len(over) <= 4, f"{len(over)} functions over {FUNCTION_BOUND} lines: {over}"
+    assert len(over) <= 1, f"{len(over)} functions over {FUNCTION_BOUND} lines: {over}"
 
 
 def test_the_round_engine_names_no_algorithm():

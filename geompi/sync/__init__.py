@@ -11,7 +11,7 @@ import re
 from typing import Any
 
 from geompi.errors import ConfigError
-from geompi.sync.base import Algorithm, number, whole_number
+from geompi.sync.base import Algorithm, WorkerSide, number, whole_number
 from geompi.sync.fsa import FSA
 from geompi.sync.hfa import HFA
 from geompi.sync.mixed import MixedSync
@@ -145,4 +145,5 @@ __all__ = [
     "register",
     "resolve",
     "whole_number",
+    "WorkerSide",
 ]

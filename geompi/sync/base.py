@@ -1,9 +1,10 @@
 """The interface every synchronization algorithm implements: ``geompi.sync.Algorithm``.
 
-An algorithm is a small frozen dataclass of its settings. It says what its workers do (the
-worker-side engine, geompi.optimizer, reads the class attributes below) and builds the server
-each server rank plays (``make_server``, from the generic round engine in geompi.ps). Nothing
-else in geompi tests an algorithm's name: the registry (geompi.sync) maps names to classes.
+An algorithm is a small frozen dataclass of its settings. It says what its workers do around
+backward and ``step()`` (``worker``: a :class:`WorkerSide` that the algorithm-free worker
+engine, geompi.engine, calls) and builds the server each server rank plays (``make_server``,
+from the generic round engine in geompi.ps). Nothing else in geompi tests an algorithm's name:
+the registry (geompi.sync) maps names to classes.
 
 A new algorithm (docs/writing-an-algorithm.md) subclasses this class or one of the built-in
 ones, gives itself a ``name``, and is registered with ``geompi.sync.register``. Its settings
@@ -17,7 +18,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NoReturn, Protocol
 
 import torch
 
@@ -46,6 +47,193 @@ class WanPattern:
     hidden_steps: int = 0
     lan_rounds: int = 1
     sync_every: int = 1
+
+
+class Engine(Protocol):
+    """What a worker side uses of the worker engine (geompi.engine.Synchronizer): its session,
+    model and optimizer, the flat buckets and buffers of a round, the client to the local
+    server, and a few of its mechanisms. The engine knows no algorithm; the side decides."""
+
+    s: Any  # the session: rank, topology, communicators, configuration
+    algo: Algorithm
+    opt: Any  # the user's optimizer (or the CLI's stand-in)
+    params: list[torch.Tensor]
+    buckets: Any  # geompi.comm.buckets.Buckets
+    client: Any  # geompi.ps.client.PSClient, to this datacenter's local server
+    recovery: Any  # geompi.recovery.Recovery
+    master: bool
+    dc_first: bool  # this datacenter's first worker
+    max_grad_norm: float | None
+    lossy_wan: bool
+    lan_flags: int
+    want_stats: bool
+    server_counts: Any
+    aux_len: int
+    aux_send: torch.Tensor
+    aux_recv: torch.Tensor
+    present_g: torch.Tensor
+    present_out: torch.Tensor
+    layout_pos: dict[int, int]
+    global_syncs: int
+    skipped: int
+    synced: bool
+    recovers: bool  # step() survives a lost rank itself (the API), else its caller (the CLI)
+    rounds: Any  # geompi.gradients.GradientRounds: the gradient round under way
+
+    @property
+    def presence_key(self) -> int: ...
+
+    def keys(self, presence: bool = True) -> list[tuple[int, int]]: ...
+    def layout(self) -> list: ...
+    def pack_buffers(self, out: torch.Tensor, scale: float) -> None: ...
+    def unpack_buffers(self, src: torch.Tensor, scale: float) -> None: ...
+    def sample_weight(self) -> float: ...
+    def reset_samples(self) -> None: ...
+    def synchronize(self) -> None: ...
+    def survive(self, err: BaseException, step: int, redo: bool = True) -> int: ...
+    def with_grad(self) -> list[torch.Tensor]: ...
+    def stop(self, err: Exception) -> NoReturn: ...
+
+
+class WorkerSide:
+    """An algorithm's worker side: what happens around backward and ``step()`` (gradient
+    rounds or parameter averages, the global cadence), the counters it saves and restores, and
+    how it ends. The engine calls these; the defaults are those of a side whose every round is
+    a gradient round reaching the global servers (geompi.sync.fsa's)."""
+
+    # Backward pushes gradient buckets to a round that begins with backward (FSA, MixedSync);
+    # else the engine only counts samples and passes, and the side averages parameters.
+    pushes_gradients: bool = True
+    # The global servers run the optimizer: the workers pull parameters, with the presence key.
+    servers_step: bool = False
+    fragments: int = 1  # keys cut into equal fragments (streaming HFA)
+    steps = 0  # local steps taken (HFA's counter; the steps its rounds carry)
+    steps_at_global = 0  # the step of the last global average
+    average_due = False  # an average is due before the next forward
+    cadence: Any = None  # HFA's adaptive K2 (geompi.sync.hfa.Cadence), or None
+
+    def __init__(self, engine: Engine) -> None:
+        self.e = engine
+
+    def built(self) -> None:
+        """The engine's buckets and buffers exist now."""
+
+    def aux_len(self, nparams: int, nbuf: int) -> int:
+        """The extra key's length after the buckets (0: none)."""
+        return nbuf
+
+    def buffer_slice(self, t: torch.Tensor) -> torch.Tensor:
+        """Where the float buffers sit in the extra key."""
+        return t
+
+    def sends_spec(self) -> bool:
+        """Whether this worker tells the servers of a change of the optimizer's hyperparameters."""
+        return False
+
+    def init_spec(self) -> dict:
+        """What joins the servers' spec in the INIT round."""
+        return {}
+
+    def begin(self) -> None:
+        """Training starts (after the INIT round)."""
+
+    @property
+    def holds_server_state(self) -> bool:
+        """Whether the global servers hold optimizer state (a checkpoint's)."""
+        return self.servers_step
+
+    def state(self) -> dict:
+        """The counters a checkpoint keeps, besides the engine's ``global_syncs``."""
+        return {}
+
+    def load_state(self, state: dict) -> None:
+        """Back at a checkpoint's counters."""
+
+    # ---- around backward ------------------------------------------------------------------
+    def force_global(self) -> None:
+        """``force_global_average()``, allowed by ``Algorithm.check_force_global``."""
+
+    def before_forward(self) -> None:
+        """A training forward begins."""
+
+    def backward_counts(self) -> None:
+        """The first gradient of a backward pass that completes a step (no_sync and
+        ``backward_passes_per_step`` allowing)."""
+
+    def backward_ended(self) -> None:
+        """Backward ended (after the round, if any, completed)."""
+
+    def synchronize(self) -> None:
+        """Complete this step's exchange now (``opt.synchronize()``)."""
+
+    def round_flags(self) -> int:
+        """A gradient round's header flags (besides the LAN's and statistics')."""
+        return 0
+
+    def push_rest(self, reqs) -> None:
+        """A gradient round, after the buckets: what else this worker pushes."""
+
+    def pull_results(self, reqs) -> None:
+        """A gradient round: where its results land."""
+
+    def after_round(self) -> None:
+        """A gradient round completed: its results into the model."""
+
+    def pulled(self) -> list[torch.Tensor]:
+        """Where a gradient round's results land (kept for a recovery)."""
+        return []
+
+    # ---- the step and the end ---------------------------------------------------------------
+    def check_scaler(self) -> None:
+        """Refuse a GradScaler's state handed to step(), where it cannot be honoured."""
+
+    def step(self, local_step):
+        """``opt.step()``: ``local_step()`` runs the user's optimizer on this worker."""
+        raise NotImplementedError
+
+    def end_on_global(self, streaming: bool = False) -> None:
+        """Collective over the workers: every worker on the global servers' model."""
+
+    def at_global_model(self) -> bool:
+        """Whether every worker holds the global servers' model now."""
+        return True
+
+    def before_close(self) -> None:
+        """close(), before the servers are released."""
+        self.end_on_global()
+
+    def end(self) -> None:
+        """Release the servers (close())."""
+        self.e.client.stop()
+
+    def report(self) -> dict:
+        """What the job's report adds."""
+        return {}
+
+    def check_restore(self, what: str, new_model: bool) -> None:
+        """Refuse (``engine.stop``) a restore of the servers' state now; ``new_model``: every
+        worker has just loaded the same model."""
+
+    # ---- after a lost rank (geompi.recovery) ------------------------------------------------
+    def peers(self, comms):
+        """The workers that go through the same rounds as this one."""
+        return comms.all_workers
+
+    def last_done(self, done: int) -> int:
+        """The last round a surviving worker completed (``done``: the job's, as recovered)."""
+        return done
+
+    def step_label(self, at: int) -> int | str:
+        """How the line about a survived loss names the step."""
+        return at
+
+    def survive(self, recovery, step: int, redo: bool) -> int:
+        """Every survivor after a loss: recover and go on; returns the agreed step."""
+        recovery.recover()
+        return step
+
+    def rejoined(self) -> None:
+        """After a recovery, over the rebuilt communicators."""
 
 
 @dataclass(frozen=True)
@@ -87,6 +275,30 @@ class Algorithm:
         raise ConfigError(
             f"on_failure='continue' is supported with FSA, HFA and MixedSync, not {self.name}: "
             "use one of those, or on_failure='abort' with checkpoints"
+        )
+
+    def check_compression(self, compression: str) -> None:  # noqa: B027 - optional check
+        """Refuse, in one line (ConfigError), the job's WAN codec ("none" without one) where
+        this algorithm's workers cannot honour it."""
+
+    def check_clipping(self, max_grad_norm: float | None) -> None:  # noqa: B027
+        """Refuse, in one line (ConfigError), ``max_grad_norm`` where it has no meaning."""
+
+    def check_force_global(self) -> None:
+        """``force_global_average()``: refused (ConfigError) where every round is global."""
+        from geompi.errors import ConfigError
+
+        raise ConfigError(
+            f"force_global_average() is for HFA: under {self.name} every round already "
+            "reaches the global servers"
+        )
+
+    def worker(self, engine: Engine) -> WorkerSide:
+        """This algorithm's worker side around ``engine`` (built once per DistributedOptimizer
+        or CLI run, before the engine's buckets: see :class:`WorkerSide`)."""
+        raise NotImplementedError(
+            f"{type(self).__qualname__} has no worker side: subclass FSA, HFA or MixedSync, "
+            "or implement worker()"
         )
 
     def job(self) -> dict:

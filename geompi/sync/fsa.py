@@ -1,11 +1,12 @@
 """FSA: fully synchronous at both tiers. Every step, the sample-weighted gradient of every
 worker reaches the optimizer, and every worker continues from the same parameters.
 
-Worker side (geompi.optimizer): gradient buckets are pushed from backward hooks in priority
-order, so communication overlaps backward. With the optimizer on the workers (the default, as
-DDP) the servers only sum (FLAG_RAW rounds) and every worker steps on the global gradient; with
-``optimizer="servers"`` (GeoMX's placement, the CLI's) the global servers step their shard and
-the workers pull parameters, with the presence key telling them which parameters had no gradient.
+Worker side (FSAWorker, FSAServersWorker; geompi.engine calls them): gradient buckets are
+pushed from backward hooks in priority order, so communication overlaps backward. With the
+optimizer on the workers (the default, as DDP) the servers only sum (FLAG_RAW rounds) and every
+worker steps on the global gradient; with ``optimizer="servers"`` (GeoMX's placement, the
+CLI's) the global servers step their shard and the workers pull parameters, with the presence
+key telling them which parameters had no gradient.
 Server side: the synchronous local and global servers, one round per step.
 """
 
@@ -17,9 +18,11 @@ from typing import Any, ClassVar
 
 import torch
 
-from geompi.errors import ConfigError
+from geompi.comm.buffers import all_finite
+from geompi.errors import ConfigError, NonFiniteError
 from geompi.ps.optim import SGD, Adam, AdamW, Spec, make_spec, spec_to_dict
-from geompi.sync.base import Algorithm, WanPattern
+from geompi.ps.protocol import FLAG_MEAN, FLAG_PRESENCE, FLAG_RAW, presence_payload
+from geompi.sync.base import Algorithm, Engine, WanPattern, WorkerSide
 
 
 @dataclass(frozen=True)
@@ -47,7 +50,18 @@ class FSA(Algorithm):
 
     def check_survivable(self) -> None:
         """A lost worker or datacenter is survived: the round it cut off is completed from a
-        worker it reached, or redone by the survivors (geompi.optimizer)."""
+        worker it reached, or redone by the survivors (geompi.recovery)."""
+
+    def check_compression(self, compression: str) -> None:
+        if not self.on_servers and compression != "none":
+            raise ConfigError(
+                "WAN compression with FSA's worker-side optimizer is not supported yet: "
+                "use geompi.FSA(optimizer='servers'), 'hfa' or 'mixed' with compression, or "
+                "drop wan_compression"
+            )
+
+    def worker(self, engine: Engine) -> WorkerSide:
+        return FSAServersWorker(engine) if self.on_servers else FSAWorker(engine)
 
     @classmethod
     def from_config(cls, cfg) -> FSA:
@@ -73,6 +87,169 @@ class FSA(Algorithm):
         up during backward, but the planner counts no overlap (a model within one bucket, as
         the planner's examples, has none)."""
         return WanPattern("FSA", steps=1, shares=(1.0,), trips=2)
+
+
+class FSAWorker(WorkerSide):
+    """FSA's worker side with the optimizer on the workers (as DDP): each step one gradient
+    round, begun by backward's first gradient and completed as backward ends; the servers only
+    sum (FLAG_RAW), and every worker steps the user's optimizer on the global gradient.
+
+    The extra key after the buckets: [samples, per parameter "had a gradient", buffers x
+    samples]; the results come back summed, and are divided by the job's samples here."""
+
+    def __init__(self, engine: Engine) -> None:
+        super().__init__(engine)
+        self.results: list[torch.Tensor] = []  # the global gradient, a tensor per bucket
+
+    def built(self) -> None:
+        self.results = [torch.zeros_like(b.params) for b in self.e.buckets]
+
+    def aux_len(self, nparams: int, nbuf: int) -> int:
+        return 1 + nparams + nbuf
+
+    def buffer_slice(self, t: torch.Tensor) -> torch.Tensor:
+        return t[1 + len(self.e.params) :]
+
+    def backward_counts(self) -> None:
+        self.e.rounds.begin()
+
+    def synchronize(self) -> None:
+        self.e.rounds.now()
+
+    def round_flags(self) -> int:
+        return FLAG_RAW
+
+    def push_rest(self, reqs) -> None:
+        e = self.e
+        e.aux_send[0] = e.rounds.weight
+        e.aux_send[1 : 1 + len(e.params)].copy_(e.present_g[0])
+        e.pack_buffers(self.buffer_slice(e.aux_send), e.rounds.weight)
+        e.client.push(reqs, e.aux_send)
+
+    def pull_results(self, reqs) -> None:
+        # fresh tensors: a .grad the user kept from the last step (a view) keeps its values
+        self.results = [torch.empty_like(t) for t in self.results]
+        for out in self.results:
+            self.e.client.pull(reqs, out)
+        self.e.client.pull(reqs, self.e.aux_recv)
+
+    def after_round(self) -> None:
+        """The global gradient into ``.grad`` (None where no worker had one: torch.optim then
+        leaves the parameter alone), and the buffers' sample-weighted mean."""
+        e = self.e
+        total = float(e.aux_recv[0])
+        counts = e.aux_recv[1 : 1 + len(e.params)].tolist()  # in the layout's order
+        for out in self.results:
+            out.div_(total)
+        for p in e.params:
+            if counts[e.layout_pos[id(p)]] == 0:
+                p.grad = None
+            else:
+                bucket, off, numel = e.buckets.where[id(p)]
+                p.grad = self.results[bucket.key][off : off + numel].view_as(p)
+        e.unpack_buffers(self.buffer_slice(e.aux_recv), 1.0 / total)
+
+    def pulled(self) -> list[torch.Tensor]:
+        return [*self.results, self.e.aux_recv]
+
+    def step(self, local_step):
+        e = self.e
+        e.synchronize()
+        if not self._finite():
+            return None
+        if e.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(e.with_grad(), e.max_grad_norm)
+        return local_step()
+
+    def _finite(self) -> bool:
+        """Whether the global gradient is finite; on NaN/Inf apply ``on_nonfinite`` (every
+        worker sees the same sum, so all decide alike)."""
+        e = self.e
+        if all(all_finite(p.grad) for p in e.params if p.grad is not None):
+            return True
+        if e.s.cfg.on_nonfinite == "skip":
+            e.skipped += 1
+            return False
+        e.stop(
+            NonFiniteError(
+                # one round a step, this one counted
+                f"non-finite global gradient at step {e.global_syncs}: lower the lr, check the "
+                "data, use a torch.amp.GradScaler, or pass on_nonfinite='skip' to geompi.init"
+            )
+        )
+
+
+class FSAServersWorker(FSAWorker):
+    """FSA's worker side with the optimizer on the global servers (GeoMX's placement, the
+    CLI's): the round's results are the parameters the servers stepped, pulled into the model
+    as backward ends, so ``step()`` has nothing left to do. The extra key is the buffers x
+    samples (a mean key, FLAG_MEAN), then the presence key: per parameter 1 from each worker
+    with a gradient, one copy per global server. The master worker tells the servers of a
+    change of the hyperparameters (an lr schedule)."""
+
+    servers_step = True
+    where = 'FSA(optimizer="servers")'  # what a refusal calls it
+
+    def built(self) -> None:
+        """No global gradient comes back here."""
+
+    def aux_len(self, nparams: int, nbuf: int) -> int:
+        return nbuf
+
+    def buffer_slice(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def sends_spec(self) -> bool:
+        return self.e.master
+
+    def init_spec(self) -> dict:
+        e = self.e
+        spec: dict = {}
+        if e.max_grad_norm is not None:  # the servers clip
+            spec["max_grad_norm"] = float(e.max_grad_norm)
+        spec.update(layout=e.layout(), presence_key=e.presence_key)
+        return spec
+
+    def round_flags(self) -> int:
+        return FLAG_PRESENCE | (FLAG_MEAN if self.e.aux_len else 0)  # buffers: a weighted mean
+
+    def push_rest(self, reqs) -> None:
+        e = self.e
+        if e.aux_len:
+            e.pack_buffers(e.aux_send, e.rounds.weight)
+            e.client.push(reqs, e.aux_send)
+        e.client.push(reqs, presence_payload(e.present_g.view(-1)))
+
+    def pull_results(self, reqs) -> None:
+        e = self.e
+        for b in e.buckets:
+            e.client.pull(reqs, b.params)
+        if e.aux_len:
+            e.client.pull(reqs, e.aux_recv)
+        e.client.pull(reqs, e.present_out)
+
+    def after_round(self) -> None:
+        if self.e.aux_len:  # the servers' mean of the buffers
+            self.e.unpack_buffers(self.e.aux_recv, 1.0)
+
+    def pulled(self) -> list[torch.Tensor]:
+        e = self.e
+        out = [b.params for b in e.buckets]
+        return [*out, e.aux_recv, e.present_out] if e.aux_len else [*out, e.present_out]
+
+    def check_scaler(self) -> None:
+        if getattr(self.e.opt, "found_inf", None) is not None:
+            self.e.stop(
+                ConfigError(
+                    f"a GradScaler with {self.where}: the global servers step during backward, "
+                    "on the scaled gradients; use torch.autocast without a GradScaler, or FSA() "
+                    "(the workers step)"
+                )
+            )
+
+    def step(self, local_step):
+        self.e.synchronize()
+        return None  # the global servers stepped; the parameters arrived with backward
 
 
 def _sync_tier(common: dict) -> dict:

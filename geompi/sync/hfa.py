@@ -27,8 +27,17 @@ from geompi.errors import MAX_LR, MAX_STEPS, ConfigError, positive_number
 from geompi.ps.fragments import fragment_plan, is_global, shift
 from geompi.ps.optim import SGD, Adam, AdamW, make_spec, torch_optimizer
 from geompi.ps.policy import Routing
-from geompi.ps.protocol import FLAG_EXACT, FLAG_GLOBAL, MAX_KEYS, Op, Round
-from geompi.sync.base import Algorithm, WanPattern, number, whole_number
+from geompi.ps.protocol import (
+    FLAG_EXACT,
+    FLAG_FLUSH,
+    FLAG_GLOBAL,
+    FLAG_MEAN,
+    FLAG_STATS,
+    MAX_KEYS,
+    Op,
+    Round,
+)
+from geompi.sync.base import Algorithm, Engine, WanPattern, WorkerSide, number, whole_number
 from geompi.sync.fsa import _sync_tier
 
 # HFA's default K2; with adaptive cadence, a K2 left at it starts clamped into [k2_min, k2_max]
@@ -127,6 +136,12 @@ class HFA(Algorithm):
                 "on_failure='continue' with HFA(fragments=..., overlap=True or adaptive=True): "
                 "not supported together yet; drop them"
             )
+
+    def check_force_global(self) -> None:
+        """Allowed: the next datacenter average goes global (HFAWorker.force_global)."""
+
+    def worker(self, engine: Engine) -> WorkerSide:
+        return HFAWorker(engine)
 
     def next_k2(self, exchange_s: float, round_compute_s: float) -> int:
         """The K2 that makes a global exchange of ``exchange_s`` about ``wan_share`` of the wall
@@ -337,6 +352,249 @@ class HFA(Algorithm):
             lan_rounds=self.k2,
             sync_every=self.k1 * self.k2,
         )
+
+
+class HFAWorker(WorkerSide):
+    """HFA's worker side: ``step()`` runs the user's optimizer locally; after every K1-th step
+    the datacenter averages its parameters and float buffers (an AVG round, weighted by samples
+    or uniformly), and every K2-th average (adaptive: the K2 the workers chose, ``Cadence``)
+    is global. Backward sends nothing: the engine counts samples and passes, and this side
+    counts the steps."""
+
+    pushes_gradients = False
+
+    def __init__(self, engine: Engine) -> None:
+        super().__init__(engine)
+        algo = engine.algo
+        assert isinstance(algo, HFA)  # HFA.worker built it
+        self.algo = algo
+        self.fragments = algo.fragments  # streaming: keys cut into equal fragments
+        self.steps = 0
+        self.dc_rounds = 0  # datacenter averages since the last forced global one
+        self.samples = 0  # since the last average
+        self.round_samples = 0.0  # the weight of the last average
+        self.steps_at_global = 0  # the step of the last global average
+        self.exact_at = 0  # the step of the last forced (uncompressed) global average
+        self.cadence: Cadence | None = None  # adaptive: which averages go global
+        if algo.adaptive:
+            self.cadence = Cadence(algo, engine.s.comms.all_workers)
+        # the next datacenter average goes global, every key (force_global_average: the CLI's
+        # checkpoint rounds under adaptive cadence or streaming)
+        self.global_next = False
+        self.window_closes = False  # this backward completes a step
+        self.average_due = False  # K1 steps done, the datacenter average not yet
+        self.pushed_weight: float | None = None  # an average's weight, while under way
+
+    @property
+    def holds_server_state(self) -> bool:
+        return self.algo.outer_stateful
+
+    def begin(self) -> None:
+        if self.cadence is not None:
+            self.cadence.start()
+
+    def state(self) -> dict:
+        out: dict = {"steps": self.steps, "dc_rounds": self.dc_rounds, "samples": self.samples}
+        if self.cadence is not None:
+            out["k2"] = self.cadence.k2
+        return out
+
+    def load_state(self, state: dict) -> None:
+        self.steps = int(state.get("steps", 0))
+        self.dc_rounds = int(state.get("dc_rounds", 0))
+        self.steps_at_global = self.steps  # HFA's checkpoints are at global averages
+        self.exact_at = self.steps
+        self.samples = int(state.get("samples", 0))
+        if self.cadence is not None:  # at a global average: K2 as it was chosen then
+            self.cadence.restart(state.get("k2"))
+
+    def force_global(self) -> None:
+        self.global_next = True
+
+    def before_forward(self) -> None:
+        if self.average_due:  # a GradScaler skipped step() on this worker
+            self.average_now()
+
+    def backward_counts(self) -> None:
+        self.window_closes = True
+
+    def backward_ended(self) -> None:
+        if not self.window_closes:
+            return
+        self.window_closes = False  # one step's gradients are complete on every worker
+        self.steps += 1
+        self.samples += int(self.e.sample_weight())
+        self.e.reset_samples()
+        self.average_due = self.steps % self.algo.k1 == 0
+
+    def step(self, local_step):
+        e = self.e
+        if e.max_grad_norm is not None:  # the inner optimizer's own, local gradient
+            torch.nn.utils.clip_grad_norm_(e.with_grad(), e.max_grad_norm)
+        out = local_step()
+        if self.average_due:
+            try:
+                self.average_now()
+            except Exception as err:  # noqa: BLE001 - a lost rank, under on_failure="continue"
+                if not e.recovers:
+                    raise
+                e.survive(err, self.steps - 1)  # the steps before this one, as the CLI counts
+        return out
+
+    def end_on_global(self, streaming: bool = False) -> None:
+        """Collective over the workers: every worker ends on the global servers' model,
+        bitwise. One more global average, uncompressed, of what changed since the last one,
+        or under a lossy codec of what compression held back (a datacenter's replica plus its
+        residual is not the servers' model). Nothing if the last global average was already
+        such a round. Streaming ends on its last datacenter round (the CLI forces that one
+        global: ``force_global_average``), unless ``streaming``: then every fragment now."""
+        if self.steps == self.exact_at:
+            return
+        if self.algo.streaming and not streaming:
+            return
+        if self.steps != self.steps_at_global or self.algo.streaming:
+            self.average_now(final=True)
+        elif self.e.lossy_wan:
+            self.average_now(final=True, flush=True)
+
+    def at_global_model(self) -> bool:
+        """Whether every worker holds the global servers' model now (after a global average
+        that was uncompressed, or under a lossless codec; streaming: a forced one)."""
+        if self.steps == self.exact_at:
+            return True
+        return not (self.algo.streaming or self.e.lossy_wan) and self.steps == self.steps_at_global
+
+    def before_close(self) -> None:
+        if self.average_due:
+            self.average_now()
+        self.end_on_global()
+
+    def report(self) -> dict:
+        if self.cadence is None:
+            return {}
+        return {"k2": self.cadence.k2, "k2_changes": self.cadence.changes}
+
+    def check_restore(self, what: str, new_model: bool) -> None:
+        if new_model:  # every worker has just loaded the same model
+            self.steps_at_global = self.exact_at = self.steps
+        if not self.at_global_model():
+            self.e.stop(
+                ConfigError(
+                    f"{what} under HFA between global averages: the workers hold different "
+                    "models; call opt.force_global_average() before the step, or call it at a "
+                    "multiple of K1*K2 steps"
+                )
+            )
+
+    def survive(self, recovery, step: int, redo: bool) -> int:
+        """Every survivor: rejoin, agree on the step (a worker that finished its round before
+        the loss may be K1 steps ahead), say what was lost, and (``redo``) make the average cut
+        off a global one over the surviving datacenters, from the parameters each worker had
+        before it (see rejoined)."""
+        loss = recovery.rejoin_survivors()
+        agreed = recovery.agree_on_step(step)
+        self.steps += agreed - step
+        recovery.record(loss, agreed + 1 if redo else agreed)  # the step trained, or saved
+        if redo:
+            self.average_globally()
+        return agreed
+
+    @torch.no_grad()
+    def rejoined(self) -> None:
+        """An average cut off mid-way leaves this worker's parameters as it pushed them (a
+        part of the results may have landed)."""
+        e = self.e
+        if self.cadence is not None:
+            self.cadence.comm = e.s.comms.all_workers
+        if self.pushed_weight is not None:
+            for b in e.buckets:
+                torch.div(b.grads, self.pushed_weight, out=b.params)
+            if e.aux_len:
+                e.unpack_buffers(e.aux_send, 1.0 / self.pushed_weight)
+            self.pushed_weight = None
+
+    def average_globally(self) -> None:
+        """Right after a datacenter average: one more, global over every key, so every worker
+        holds the global model (the CLI's stop under streaming HFA)."""
+        self.average_now(final=True)
+
+    def average_now(self, final: bool = False, flush: bool = False) -> None:
+        """The datacenter average that the K1-th step made due (every K2-th is global).
+        ``final`` (close() between global averages): one global average of every worker,
+        weighted by its samples since the last average, or if none by that average's.
+        ``flush`` (with ``final``, no step since the last global average): it only delivers
+        what a lossy codec held back, with no outer step."""
+        algo, e = self.algo, self.e
+        self.average_due = False
+        uniform = algo.weighting == "uniform"
+        samples = float(self.samples or (self.round_samples or 1.0 if final else 0))
+        weight = uniform_weight(e.client) if uniform else samples
+        cadence = self.cadence
+        forced = final or self.global_next  # every key global now (FLAG_GLOBAL)
+        self.global_next = False
+        if cadence is None:  # every K2-th is global: the local servers count too
+            go_global = forced or (self.dc_rounds + 1) % algo.k2 == 0
+            self._average(weight, forced, flush=flush)
+        else:  # adaptive: the workers choose K2; the local servers' schedule follows it
+            go_global = forced or cadence.next_is_global()
+            cadence.begin()
+            self._average(weight, forced, cadence)
+            cadence.end(go_global, self.steps, decide=not final)
+        self.round_samples = samples
+        self.samples = 0
+        # after a forced global round the local servers count K2 (and streaming's staggered
+        # schedule) from the start again, and so do the workers
+        self.dc_rounds = 0 if forced else self.dc_rounds + 1
+        if forced:  # uncompressed both ways: every worker holds the servers' model
+            self.exact_at = self.steps
+        if go_global:
+            self.steps_at_global = self.steps
+            e.global_syncs += 1
+            if algo.reset_optimizer:
+                e.opt.state.clear()
+
+    @torch.no_grad()
+    def _average(
+        self, weight: float, force_global: bool = False, cadence=None, flush: bool = False
+    ) -> None:
+        """The datacenter average (every K2-th one global, or every key now with
+        ``force_global``) of parameters and float buffers; with adaptive ``cadence``, its
+        K2 goes to the local server and the exchange times it measured come back."""
+        e = self.e
+        flags = (FLAG_GLOBAL if force_global else 0) | (FLAG_FLUSH if flush else 0)
+        flags |= e.lan_flags | (FLAG_STATS if e.want_stats else 0)
+        if e.aux_len:  # the buffers: averaged by the global servers, never outer-stepped
+            flags |= FLAG_MEAN
+        for b in e.buckets:
+            torch.mul(b.params, weight, out=b.grads)
+        if e.aux_len:
+            e.pack_buffers(e.aux_send, weight)
+        self.pushed_weight = weight  # the results land in the parameters: see rejoined()
+        k2 = cadence.k2 if cadence is not None else 0
+        reqs = e.client.start(Op.AVG, e.keys(), weight=weight, flags=flags, k2=k2)
+        if k2:
+            e.client.pull_exchanges(reqs, cadence.told)
+        for b in e.buckets:
+            e.client.push(reqs, b.grads)
+        if e.aux_len:
+            e.client.push(reqs, e.aux_send)
+        for b in e.buckets:
+            e.client.pull(reqs, b.params)
+        if e.aux_len:
+            e.client.pull(reqs, e.aux_recv)
+        if flags & FLAG_STATS:
+            e.client.pull_stats(reqs, e.server_counts)
+        e.client.wait(reqs)
+        self.pushed_weight = None
+        if e.aux_len:
+            e.unpack_buffers(e.aux_recv, 1.0)
+
+
+def uniform_weight(client) -> float:
+    """GeoMX's uniform weighting for HFA: every datacenter counts the same and, inside one,
+    every worker (its local server divides by its own workers), so a worker weighs 1 / its
+    datacenter's workers. The KVStore's HFA pushes use the same weight."""
+    return 1.0 / (client.link.comm.Get_size() - 1)
 
 
 def check_outer(name, kwargs) -> None:

@@ -1,7 +1,8 @@
 """MixedSync: synchronous inside a datacenter, asynchronous between datacenters.
 
-Worker side: as FSA with the optimizer on the servers (gradient buckets pushed from backward
-hooks, parameters pulled after); at the end every worker receives the final global model.
+Worker side (MixedWorker): as FSA with the optimizer on the servers (gradient buckets pushed
+from backward hooks, parameters pulled after); at the end every worker receives the final
+global model.
 Server side: the local server deposits its datacenter's gradient into the global servers' RMA
 windows and fetches the parameters its own update produced, without waiting for the other
 datacenters; the global servers step (the allow-list, or DCASGD) on each deposit, with the
@@ -18,8 +19,57 @@ import torch
 
 from geompi.errors import ConfigError, positive_number
 from geompi.ps.optim import DCASGD, SGD, spec_to_dict
-from geompi.sync.base import Algorithm, WanPattern, whole_number
-from geompi.sync.fsa import server_spec, servers_optimizer, spec_message
+from geompi.ps.protocol import Op
+from geompi.sync.base import Algorithm, Engine, WanPattern, WorkerSide, whole_number
+from geompi.sync.fsa import FSAServersWorker, server_spec, servers_optimizer, spec_message
+
+
+class MixedWorker(FSAServersWorker):
+    """MixedSync's worker side: FSA's with the optimizer on the servers, except that the
+    datacenters move apart. Each datacenter's first worker sends its own hyperparameters (a
+    deposit is stepped with its datacenter's); each datacenter counts its own rounds; at the
+    end every worker receives the final global model (and the datacenters' buffers, averaged)
+    in the STOP round."""
+
+    where = "MixedSync"
+
+    def sends_spec(self) -> bool:
+        return self.e.master or self.e.dc_first
+
+    def end(self) -> None:
+        e = self.e
+        reqs = e.client.start(Op.STOP, e.keys(presence=False))
+        for b in e.buckets:
+            e.client.pull(reqs, b.params)
+        if e.aux_len:
+            e.client.pull(reqs, e.aux_recv)
+        e.client.wait(reqs)
+        if e.aux_len:
+            e.unpack_buffers(e.aux_recv, 1.0)
+
+    def check_restore(self, what: str, new_model: bool) -> None:
+        if self.e.rounds.begun:
+            self.e.stop(
+                ConfigError(
+                    f"{what} under MixedSync after training started: the datacenters are "
+                    "asynchronous by then; call it before the first step"
+                )
+            )
+
+    def peers(self, comms):
+        return comms.workers  # this datacenter's
+
+    def last_done(self, done: int) -> int:
+        """Collective over this datacenter's workers: the last round one of them completed."""
+        import numpy as np
+        from mpi4py import MPI
+
+        mine = np.array([self.e.client.done_id], dtype=np.int64)
+        self.e.s.comms.workers.Allreduce(MPI.IN_PLACE, mine, op=MPI.MAX)
+        return int(mine[0])
+
+    def step_label(self, at: int) -> int | str:
+        return f"{at} of datacenter 0"  # each datacenter at its own step: the master's
 
 
 @dataclass(frozen=True)
@@ -46,6 +96,16 @@ class MixedSync(Algorithm):
     def check_survivable(self) -> None:
         """A lost worker or datacenter is survived: the global servers apply every deposit
         made, and each datacenter redoes, or completes from a peer, the round cut off."""
+
+    def check_clipping(self, max_grad_norm: float | None) -> None:
+        if max_grad_norm is not None:
+            raise ConfigError(
+                f"max_grad_norm with {self.name} is not supported: each deposit is one "
+                "datacenter's gradient, not the global one; clip under geompi.FSA() or HFA"
+            )
+
+    def worker(self, engine: Engine) -> WorkerSide:
+        return MixedWorker(engine)
 
     def validate(self) -> None:
         if self.max_staleness is not None and (
