@@ -29,10 +29,12 @@ class GradientRounds:
     def __init__(self, engine: Any) -> None:  # geompi.engine.Synchronizer (which owns it)
         self.e = e = engine
         # per parameter: (its bucket, its slice of the bucket's gradients, its column of the
-        # presence rows), views made once for the backward hooks
+        # presence rows), views made once for the backward hooks; none where the worker side
+        # pushes no gradients (HFA: its streaming keys may cut parameters in two)
         self.slots = {
             key: (bucket, bucket.grads[off : off + numel], e.present_g[:, e.layout_pos[key]])
             for key, (bucket, off, numel) in e.buckets.where.items()
+            if e.side.pushes_gradients
         }
         self.trainable = [sum(m.param.requires_grad for m in b.members) for b in e.buckets]
         self.weight = 1.0  # this worker's weight in the round under way (its samples)
