@@ -658,6 +658,36 @@ def render_real_wan(d: dict) -> list[str]:
     return out
 
 
+def render_plan_check(d: dict) -> list[str]:
+    def pct(x) -> str:
+        return f"{100 * x:+.1f}%"
+
+    rows = [
+        [
+            r["method"],
+            r["settings"],
+            r["link"],
+            num(r["predicted_step_s"]),
+            num(r["measured_step_s"]),
+            pct(r["step_error"]),
+            f"{num(r['predicted_utilisation'])} / {num(r['measured_utilisation'])}",
+            pct(r["utilisation_error"]),
+            pct(r["bytes_error"]),
+        ]
+        for r in d["rows"]
+    ]
+    header = ["method", "settings", "link", "predicted s/step", "measured s/step", "error"]
+    header += ["utilisation (pred / meas)", "error", "WAN bytes error"]
+    out = table(header, rows)
+    out += [
+        "",
+        f"{d.get('within_10pct')} of {len(d['rows'])} settings within 10% in time per step and "
+        f"utilisation; {d.get('cores')} cores, load average {d.get('load_avg')}; predicted from "
+        "calibration runs alone (geompi.plan), never fitted on these settings.",
+    ]
+    return out
+
+
 def render_generic(d: dict) -> list[str]:
     skip = {"benchmark", "command", "note"}
     rows = [
@@ -689,6 +719,7 @@ RENDERERS = {
     "throughput_lm": render_throughput_lm,
     "real_wan": render_real_wan,
     "real_wan_20mbit": render_real_wan,
+    "plan_check": render_plan_check,
 }
 TITLES = {
     "adaptive_wan": "HFA's adaptive cadence on two emulated WAN links (1 Gbit/s, 100 Mbit/s)",
@@ -711,6 +742,8 @@ TITLES = {
     "throughput_lm": "Throughput on the 5M-parameter transformer: geompi against torch",
     "ulfm_exit": "Ending a job after a lost rank: how often mpirun --with-ft ulfm hangs",
     "real_wan": "The link model against kernel-shaped links between network namespaces",
+    "plan_check": "geompi plan's predictions against emulated runs it was not fitted on "
+    "(bench/plan_check.py)",
     "real_wan_20mbit": "The same on a link-bound setting: FSA and HFA at 20 Mbit/s, 60 steps "
     "(bench/real_wan.py --methods fsa,hfa --rates 20mbit --steps 60)",
 }
