@@ -670,7 +670,7 @@ def render_plan_check(d: dict) -> list[str]:
             num(r["predicted_step_s"]),
             num(r["measured_step_s"]),
             pct(r["step_error"]),
-            f"{num(r['predicted_utilisation'])} / {num(r['measured_utilisation'])}",
+            f"{num(r['predicted_utilisation'], 3)} / {num(r['measured_utilisation'], 3)}",
             pct(r["utilisation_error"]),
             pct(r["bytes_error"]),
         ]
