@@ -82,13 +82,29 @@ def unavailable() -> str | None:
     for tool in ("ip", "tc", "unshare"):
         if shutil.which(tool) is None:
             return f"no {tool} here (iproute2/util-linux)"
+    # every kind of object a Cluster makes, once: a machine (or container) that lacks one of
+    # them skips with its line instead of failing half-way through a test
     probe = f"gmn{os.getpid():x}-probe"
+    steps = [
+        ("ip netns", ("ip", "netns", "add", probe), None),
+        ("a bridge", ("ip", "link", "add", f"{probe}b", "type", "bridge"), None),
+        ("a veth pair", ("ip", "link", "add", f"{probe}o", "type", "veth", "peer", "name",
+                         f"{probe}i"), None),
+        ("tc tbf", ("tc", "qdisc", "replace", "dev", f"{probe}o", "root", "tbf", "rate",
+                    "1mbit", "burst", "16000", "latency", "100ms"), None),
+        ("unshare --uts", ("unshare", "--uts", "true"), probe),
+    ]  # fmt: skip
     try:
-        sh("ip", "netns", "add", probe)
-    except (RuntimeError, OSError) as e:
-        return f"ip netns unavailable: {e}"
-    sh("ip", "netns", "del", probe, check=False)
-    return None
+        for what, cmd, netns in steps:
+            try:
+                sh(*cmd, netns=netns)
+            except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
+                return f"{what} unavailable here: {str(e).splitlines()[0] if str(e) else e}"
+        return None
+    finally:
+        for dev in (f"{probe}o", f"{probe}b"):
+            sh("ip", "link", "del", dev, check=False)
+        sh("ip", "netns", "del", probe, check=False)
 
 
 def _pid_alive(pid: int) -> bool:
