@@ -128,6 +128,16 @@ def ours() -> tuple[list[str], list[str]]:
     return [n for n in names if PREFIX_RE.match(n)], [x for x in links if PREFIX_RE.match(x)]
 
 
+def drop_netns(ns: str) -> None:
+    """Kill what still runs in namespace ``ns``, then delete it (quietly if it is gone)."""
+    for pid in sh("ip", "netns", "pids", ns, check=False).split():
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass
+    sh("ip", "netns", "del", ns, check=False)
+
+
 def remove_stale() -> list[str]:
     """Remove the namespaces and links of runs whose process is gone (and the processes still
     inside those namespaces); returns their names."""
@@ -138,12 +148,7 @@ def remove_stale() -> list[str]:
         if m and not _pid_alive(int(m.group(1), 16)):
             gone.append(name)
     for ns in (n for n in spaces if n in gone):
-        for pid in sh("ip", "netns", "pids", ns, check=False).split():
-            try:
-                os.kill(int(pid), signal.SIGKILL)
-            except (ProcessLookupError, ValueError):
-                pass
-        sh("ip", "netns", "del", ns, check=False)
+        drop_netns(ns)
     for link in (x for x in links if x in gone):
         sh("ip", "link", "del", link, check=False)
     return gone
@@ -252,12 +257,7 @@ class Cluster:
 
     def cleanup(self) -> None:
         for ns, _ in self.hosts:
-            for pid in sh("ip", "netns", "pids", ns, check=False).split():
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except (ProcessLookupError, ValueError):
-                    pass
-            sh("ip", "netns", "del", ns, check=False)
+            drop_netns(ns)
         for i in range(len(self.hosts)):
             sh("ip", "link", "del", self.outer(i), check=False)
         sh("ip", "link", "del", self.bridge, check=False)
