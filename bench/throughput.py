@@ -1,6 +1,6 @@
 """Training throughput (samples/s) of geompi against torch's own tools, side by side in one job.
 
-    mpirun -n 16 python bench/throughput.py [--steps 160] [--warmup 16] [--reps 3]
+    mpirun -n 16 python bench/throughput.py [--steps 160] [--warmup 16] [--reps 3] [--device cpu]
 
 Same model (``cnn``), data (``digits``, each worker on its geompi shard through ShardLoader),
 per-worker batch (16), step count and 12 training processes on both sides, 1 torch thread per
@@ -19,6 +19,17 @@ same training with its exchanges as plain ``MPI.Allreduce`` calls among the work
 servers (``mpi_fsa``: the gradients every step; ``mpi_hfa``: the parameters every K1 steps
 among a datacenter's workers, every K1*K2 among all): what MPI's own collectives reach here
 (``mpi_floor``, against torch).
+
+The floor is the best of two plain-collective trainings: the same exchanges as ``MPI.Allreduce``
+(``mpi_fsa``, ``mpi_hfa``) and as gloo's ``all_reduce`` (``gloo_fsa``, ``gloo_hfa``), on the same
+workers; geompi / floor is reported against the faster of the two, and against each.
+
+``--device cpu`` (the default) hides the GPU from every rank before torch is imported, so that no
+side trains on it and nobody pays CUDA's start; ``--device cuda`` puts every side on the GPU
+(geompi's workers and torch's, sharing it; MPI's exchanges through host memory). The device and
+the machine (cores, ranks per core, CPU model, versions) are recorded in the JSON, and so are
+the CPU seconds per step summed over the ranks beside the wall time per step: on a machine with
+fewer cores than ranks the CPU seconds compare where wall times do not.
 
 Each pair runs --reps times, interleaved (the order alternates between repetitions), after one
 short warm-up of every side; the median is reported. geompi's figure is its summary's
@@ -43,20 +54,24 @@ import statistics
 import sys
 import time
 
-import torch
-import torch.distributed as dist
-from mpi4py import MPI
-from torch.distributed.algorithms.model_averaging.hierarchical_model_averager import (
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from a checkout
+from benchenv import best_floor, check_device, machine_record, pin_device  # noqa: E402
+
+DEVICE = pin_device()  # before torch is imported, in every rank: --device cpu hides the GPU
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+from torch.distributed.algorithms.model_averaging.hierarchical_model_averager import (  # noqa: E402
     HierarchicalModelAverager,
 )
-from torch.nn.parallel import DistributedDataParallel
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from a checkout
+from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 from geompi.comm.topology import Role, Topology, build_communicators  # noqa: E402
 from geompi.config import make_config  # noqa: E402
 from geompi.data import ShardLoader, evaluate, load_dataset, shard_indices  # noqa: E402
 from geompi.models import build_model  # noqa: E402
+from geompi.runtime import worker_device  # noqa: E402
 from geompi.train import train  # noqa: E402
 
 p = argparse.ArgumentParser()
@@ -66,12 +81,21 @@ p.add_argument("--reps", type=int, default=3)
 p.add_argument("--batch-size", type=int, default=16)
 p.add_argument("--k1", type=int, default=4)
 p.add_argument("--k2", type=int, default=4)
+p.add_argument(
+    "--device",
+    choices=("cpu", "cuda"),
+    default="cpu",
+    help="every side's device (cpu: the GPU is hidden from every rank)",
+)
 p.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results/throughput.json"))
 args = p.parse_args()
 period = args.k1 * args.k2
 if args.steps % period or args.warmup % period:
     p.error(f"--steps and --warmup must be multiples of k1*k2 = {period} (HFA rounds up)")
 
+if args.device != DEVICE:
+    p.error(f"--device {args.device}: pinned {DEVICE} before argparse")  # unreachable
+check_device(DEVICE)
 torch.set_num_threads(1)
 LR, MOMENTUM, SEED = 0.05, 0.9, 0
 world = MPI.COMM_WORLD
@@ -127,15 +151,34 @@ if role is Role.WORKER:
     # {K1: workers per datacenter, K1*K2: every worker}: the datacenters are contiguous blocks
     # of worker indices, as HierarchicalModelAverager's subgroups are.
     averager = HierarchicalModelAverager({args.k1: workers_per_dc, period: topo.num_workers})
+    # gloo's floor (gloo_hfa): one group per datacenter's workers, made by every worker alike
+    dc_groups = [
+        dist.new_group([topo.worker_index(r) for r in topo.workers(d)]) for d in range(topo.num_dcs)
+    ]
+    my_dc_group = dc_groups[topo.dc_of(rank)]
+    dev = worker_device(comms.all_workers)  # geompi's own rule: the same device as its workers
 # The workers of each datacenter, without their local server (mpi_hfa's datacenter average).
 dc_workers = world.Split(topo.dc_of(rank) if role is Role.WORKER else MPI.UNDEFINED, rank)
 
 
 def mpi_mean(comm, tensors: list[torch.Tensor]) -> None:
-    """The mean of ``tensors`` over ``comm``: one in-place MPI.Allreduce of their flat copy."""
+    """The mean of ``tensors`` over ``comm``: one in-place MPI.Allreduce of their flat copy
+    (through host memory for GPU tensors: this MPI is not CUDA-aware)."""
     flat = torch.cat([t.reshape(-1) for t in tensors])
-    comm.Allreduce(MPI.IN_PLACE, flat.numpy())
+    host = flat.cpu()
+    comm.Allreduce(MPI.IN_PLACE, host.numpy())
+    if host is not flat:
+        flat.copy_(host)
     flat /= comm.Get_size()
+    for t, mean in zip(tensors, flat.split([t.numel() for t in tensors])):
+        t.copy_(mean.view_as(t))
+
+
+def gloo_mean(group, tensors: list[torch.Tensor]) -> None:
+    """The same mean with gloo's all_reduce over ``group`` (None: every worker)."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, group=group)
+    flat /= dist.get_world_size(group)
     for t, mean in zip(tensors, flat.split([t.numel() for t in tensors])):
         t.copy_(mean.view_as(t))
 
@@ -143,12 +186,12 @@ def mpi_mean(comm, tensors: list[torch.Tensor]) -> None:
 def run_torch(kind: str, steps: int) -> tuple[float, dict]:
     """``steps`` of DDP, of local SGD + HierarchicalModelAverager, of local SGD alone
     (``local``: no communication), or of either with plain MPI.Allreduce (``mpi_fsa``,
-    ``mpi_hfa``) on a fresh model.
+    ``mpi_hfa``) or gloo all_reduce (``gloo_fsa``, ``gloo_hfa``) on a fresh model.
 
     Returns (seconds of the loop on this rank, final parameters). Workers only.
     """
     torch.manual_seed(SEED)
-    model = build_model("cnn", ds.input_shape, ds.num_classes)
+    model = build_model("cnn", ds.input_shape, ds.num_classes).to(dev)
     net = DistributedDataParallel(model) if kind == "ddp" else model
     opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=MOMENTUM)
     loader = ShardLoader(ds.x_train, ds.y_train, shard, args.batch_size, seed=SEED, shard=widx)
@@ -159,19 +202,28 @@ def run_torch(kind: str, steps: int) -> tuple[float, dict]:
     params = list(model.parameters())
     for step in range(1, steps + 1):
         x, y = loader.next_batch()
+        x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)  # as geompi's loop
         opt.zero_grad(set_to_none=True)
         loss_fn(net(x), y).backward()
         if kind == "mpi_fsa":
             with torch.no_grad():
                 mpi_mean(comms.all_workers, [p.grad for p in params])
+        elif kind == "gloo_fsa":
+            with torch.no_grad():
+                gloo_mean(None, [p.grad for p in params])
         opt.step()
         if kind == "averager":
             averager.average_parameters(net.parameters())
         elif kind == "mpi_hfa" and step % args.k1 == 0:
             with torch.no_grad():
                 mpi_mean(comms.all_workers if step % period == 0 else dc_workers, params)
+        elif kind == "gloo_hfa" and step % args.k1 == 0:
+            with torch.no_grad():
+                gloo_mean(None if step % period == 0 else my_dc_group, params)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
     dt = time.perf_counter() - t0
-    return dt, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return dt, {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
 def torch_phase(kind: str, steps: int) -> tuple[float, dict] | None:
@@ -227,7 +279,17 @@ warm = {
     "ddp": torch_phase("ddp", args.warmup),
     "hfa": run_geompi("hfa", args.warmup),
     "averager": torch_phase("averager", args.warmup),
-    **{kind: torch_phase(kind, args.warmup) for kind in ("local", "mpi_fsa", "mpi_hfa")},
+    **{
+        kind: torch_phase(kind, args.warmup)
+        for kind in ("local", "mpi_fsa", "mpi_hfa", "gloo_fsa", "gloo_hfa")
+    },
+}
+# geompi's CPU seconds cover its whole train() call, start-up included: a second, warm run of
+# the warm-up's length measures that part, so that (run - this) / (steps - warm-up steps) is
+# the CPU of one training step (torch's loops have no start-up: their CPU / steps).
+startup_cpu = {
+    gname: cpu_by_role(run_geompi, sync, args.warmup)[1]
+    for sync, gname in (("fsa", "geompi_fsa"), ("hfa", "geompi_hfa"))
 }
 if rank == 0:
     same = {
@@ -237,10 +299,15 @@ if rank == 0:
     # MPI's floors train as torch does, to rounding
     same["mpi_fsa_vs_ddp_max_abs_diff"] = max_diff(warm["mpi_fsa"][1], warm["ddp"][1])
     same["mpi_hfa_vs_averager_max_abs_diff"] = max_diff(warm["mpi_hfa"][1], warm["averager"][1])
+    same["gloo_fsa_vs_ddp_max_abs_diff"] = max_diff(warm["gloo_fsa"][1], warm["ddp"][1])
+    same["gloo_hfa_vs_averager_max_abs_diff"] = max_diff(warm["gloo_hfa"][1], warm["averager"][1])
 
 pairs = {"fsa": ("geompi_fsa", "ddp", "torch_ddp"), "hfa": ("geompi_hfa", "averager", "torch_avg")}
 rates: dict[str, list[float]] = {name: [] for v in pairs.values() for name in (v[0], v[2])}
-references = {"local_only": "local", "mpi_fsa": "mpi_fsa", "mpi_hfa": "mpi_hfa"}
+references = {
+    "local_only": "local",
+    **{k: k for k in ("mpi_fsa", "mpi_hfa", "gloo_fsa", "gloo_hfa")},
+}
 rates.update({name: [] for name in references})
 acc: dict[str, float] = {}
 cpu_s = {name: {"workers": [], "servers": []} for name in rates}
@@ -248,7 +315,7 @@ samples = args.steps * args.batch_size * topo.num_workers
 idle_barrier(world)
 machine0, job0 = machine_cpu(), time.process_time()
 for rep in range(args.reps):
-    for name, kind in references.items():  # the ceiling (no communication), MPI's floors
+    for name, kind in references.items():  # the ceiling (no communication), the floors
         (res, cpu) = cpu_by_role(torch_phase, kind, args.steps)
         if rank == 0:
             rates[name].append(samples / res[0])
@@ -284,6 +351,7 @@ for rep in range(args.reps):
 idle_barrier(world)
 machine1 = machine_cpu()
 job_cpu = world.reduce(time.process_time() - job0, root=0)
+machine = machine_record(DEVICE, world)
 if role is Role.WORKER:
     dist.destroy_process_group()
 comms.free()
@@ -303,6 +371,33 @@ if rank == 0:
         "fsa_vs_ddp": med["mpi_fsa"] / med["torch_ddp"],
         "hfa_vs_averager": med["mpi_hfa"] / med["torch_avg"],
     }
+    # geompi against the floor: the faster of the plain-MPI and the plain-gloo training
+    floor, vs_floor = {}, {}
+    for sync in ("fsa", "hfa"):
+        by = {"mpi": med[f"mpi_{sync}"], "gloo": med[f"gloo_{sync}"]}
+        best, rate = best_floor(by, lower_is_better=False)
+        g = med[f"geompi_{sync}"]
+        floor[sync] = {"best": best, "samples_per_s": rate}
+        vs_floor[sync] = {"best": g / rate, **{f"vs_{k}": g / v for k, v in by.items()}}
+    # Per training step, summed over the ranks: wall ms (the loop's seconds / steps) and CPU ms
+    # (geompi's less its start-up, measured by startup_cpu above).
+    per_step = {}
+    for k, v in cpu_s.items():
+        cpu_w, cpu_srv = (statistics.median(v[who]) for who in ("workers", "servers"))
+        steps = args.steps
+        if k in startup_cpu:
+            if args.steps <= args.warmup:
+                cpu_w = cpu_srv = None
+            else:
+                cpu_w -= startup_cpu[k]["workers"]
+                cpu_srv -= startup_cpu[k]["servers"]
+                steps = args.steps - args.warmup
+        per_step[k] = {
+            "wall_ms": 1e3 * samples / med[k] / args.steps,
+            "cpu_ms": None if cpu_w is None else 1e3 * (cpu_w + cpu_srv) / steps,
+            "cpu_ms_workers": None if cpu_w is None else 1e3 * cpu_w / steps,
+            "cpu_ms_servers": None if cpu_srv is None else 1e3 * cpu_srv / steps,
+        }
     out = {
         "benchmark": "throughput",
         "ranks": world.Get_size(),
@@ -325,9 +420,15 @@ if rank == 0:
         "cpu_s_median": {
             k: {who: statistics.median(v[who]) for who in v} for k, v in cpu_s.items()
         },
+        "device": DEVICE,
+        "machine": machine,
         "ratio": ratio,
         "ceiling": ceiling,
         "mpi_floor": mpi_floor,
+        "floor": floor,
+        "vs_floor": vs_floor,
+        "per_step": per_step,
+        "geompi_startup_cpu_s": startup_cpu,
         "goals": {"fsa_vs_ddp": ">= 2.0", "hfa_vs_averager": ">= 1.2"},  # issue 16
         "same_training": {
             "after_steps": args.warmup,
@@ -364,6 +465,17 @@ if rank == 0:
             f"{out['goals'][r]:>8}"
         )
     print(f"local_only (no communication): {med['local_only']:.0f} samples/s")
+    for sync, f in floor.items():
+        r = vs_floor[sync]
+        print(
+            f"{sync.upper()} geompi / floor ({f['best']}, {f['samples_per_s']:.0f} samples/s): "
+            f"{r['best']:.2f} (vs MPI {r['vs_mpi']:.2f}, vs gloo {r['vs_gloo']:.2f})"
+        )
+    print("per step, summed over the ranks: wall ms / CPU ms")
+    for k, v in per_step.items():
+        cpu_ms = "?" if v["cpu_ms"] is None else f"{v['cpu_ms']:.1f}"
+        print(f"  {k:<12} {v['wall_ms']:8.2f} / {cpu_ms}")
+    print(f"device {DEVICE}, {machine['ranks_per_core']} ranks per core, {machine['cpu_model']}")
     print(
         f"same training: max |geompi - torch| after {args.warmup} steps: FSA/DDP "
         f"{same['fsa_vs_ddp_max_abs_diff']:.2e}, HFA/averager "
