@@ -7,7 +7,7 @@ A third comparison, ``raw_two_tier``, moves the same buckets along the same path
 sum at each server and an SGD step at the global one. geompi / raw_two_tier is the cost of
 geompi's own code; raw_two_tier / Allreduce is the cost of the two-tier design on this machine.
 
-    mpirun -n 16 python bench/sync_overhead.py [--sizes 1,25,100] [--reps 11] [--runs 5]
+    mpirun -n 16 python bench/sync_overhead.py [--sizes 1,25,100] [--runs 5] [--device cpu]
 
 Each run times --reps rounds of every size, interleaved (the order turns each repetition),
 and keeps their median; the ratios reported are the median over --runs runs, with their range.
@@ -16,6 +16,14 @@ MPI.Allreduce again (``allreduce_beside_gloo_vs_alone`` compares the two Allredu
 once gloo's all_reduce has run, the other rounds of the job are slower (see below). On an
 oversubscribed node the CPU time of every rank decides a round, so the CPU seconds per round
 summed over the ranks are reported beside the wall times.
+
+The floor is the faster of the job's two allreduces, MPI.Allreduce and gloo's all_reduce, size by
+size (``floor``; ``ratio``'s ``vs_floor``), beside the ratio against each.
+
+``--device cpu`` (the default) hides the GPU from every rank before torch is imported;
+``--device cuda`` puts the workers' buffers on the GPU for every kind of round (geompi stages
+them through host memory, MPI.Allreduce and the raw two-tier round copy them to the host and
+back, gloo reduces them as they are). The device and the machine are recorded in the JSON.
 
 Writes bench/results/sync_overhead.json.
 """
@@ -29,20 +37,27 @@ import os
 import pathlib
 import pstats
 import statistics
+import sys
 import time
 from functools import partial
 
-import numpy as np
-import torch
-import torch.distributed as dist
-from mpi4py import MPI
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from a checkout
+from benchenv import best_floor, check_device, machine_record, pin_device  # noqa: E402
 
-from geompi.comm.topology import Role, Topology, build_communicators
-from geompi.comm.transport import LAN, Link, LinkStats
-from geompi.ps.client import PSClient
-from geompi.ps.optim import SGD, spec_to_dict
-from geompi.ps.protocol import FLAG_SCATTER, Op
-from geompi.ps.servers import build_server
+DEVICE = pin_device()  # before torch is imported, in every rank: --device cpu hides the GPU
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+from geompi.comm.topology import Role, Topology, build_communicators  # noqa: E402
+from geompi.comm.transport import LAN, Link, LinkStats  # noqa: E402
+from geompi.ps.client import PSClient  # noqa: E402
+from geompi.ps.optim import SGD, spec_to_dict  # noqa: E402
+from geompi.ps.protocol import FLAG_SCATTER, Op  # noqa: E402
+from geompi.ps.servers import build_server  # noqa: E402
+from geompi.runtime import worker_device  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--sizes", default="1,25,100", help="MB, comma-separated")
@@ -63,8 +78,15 @@ p.add_argument(
     help="print the share of the geompi rounds that rank 0, its local server and the first "
     "global server spend waiting in MPI (cProfile; profiling slows the Python part)",
 )
+p.add_argument(
+    "--device",
+    choices=("cpu", "cuda"),
+    default="cpu",
+    help="the workers' buffers' device, for every kind of round (cpu: the GPU is hidden)",
+)
 p.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results/sync_overhead.json"))
 args = p.parse_args()
+check_device(DEVICE)
 
 world = MPI.COMM_WORLD
 rank = world.Get_rank()
@@ -84,11 +106,12 @@ keys = [k for g in groups for k in g]
 
 if role is Role.WORKER:
     widx = topo.worker_index(rank)
+    dev = worker_device(comms.all_workers)  # geompi's own rule: the GPU, or the CPU
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     client = PSClient(Link(comms.dc, LAN, stats))
-    grads = [torch.ones(n) for _, n in keys]  # pushed, as gradients are
-    params = grads if args.pull_into == "same" else [torch.ones(n) for _, n in keys]
-    flat = torch.ones(max(sum(n for _, n in g) for g in groups))
+    grads = [torch.ones(n, device=dev) for _, n in keys]  # pushed, as gradients are
+    params = grads if args.pull_into == "same" else [torch.ones(n, device=dev) for _, n in keys]
+    flat = torch.ones(max(sum(n for _, n in g) for g in groups), device=dev)
     spec = json.dumps({"optimizer": spec_to_dict(SGD(lr=1e-9))}).encode()
     reqs = client.start(Op.INIT, keys, spec=spec if rank == 0 else None)
     for g in grads:
@@ -116,11 +139,18 @@ def raw_two_tier(sizes: list[int], bufs: dict) -> None:
         param = (
             grad if args.pull_into == "same" else bufs.setdefault("wp", [g.copy() for g in grad])
         )
+        on_gpu = None
+        if dev.type == "cuda":  # the buffers live on the GPU: to the host and back, as staged
+            on_gpu = bufs.setdefault("wd", [torch.ones(n, device=dev) for n in sizes])
+            for g, d in zip(grad, on_gpu):
+                torch.from_numpy(g).copy_(d)
         reqs = [comms.dc.Isend(b, 0, i) for i, b in enumerate(grad)]
         if param is grad:
             MPI.Request.Waitall(reqs)
         reqs += [comms.dc.Irecv(b, 0, 1000 + i) for i, b in enumerate(param)]
         MPI.Request.Waitall(reqs)
+        for d, b in zip(on_gpu or (), param):
+            d.copy_(torch.from_numpy(b))
     elif role is Role.LOCAL_SERVER:
         nw, gs = comms.dc.Get_size() - 1, range(topo.num_dcs, comms.glob.Get_size())
         per = bufs.setdefault("ls", [[np.empty(n, np.float32) for _ in range(nw)] for n in sizes])
@@ -192,13 +222,18 @@ def timed(kind: str, times: dict, cpu: dict, fn, comm=world) -> None:
     comm.Barrier()
     t0, c0 = time.perf_counter(), time.process_time()
     fn()
+    if role is Role.WORKER and dev.type == "cuda":
+        torch.cuda.synchronize(dev)
     comm.Barrier()
     times[kind].append(time.perf_counter() - t0)
     cpu[kind].append(time.process_time() - c0)
 
 
 def allreduce(b: torch.Tensor) -> None:
-    comms.all_workers.Allreduce(MPI.IN_PLACE, b.numpy(), MPI.SUM)
+    host = b.cpu()  # this MPI is not CUDA-aware: a GPU buffer goes through host memory
+    comms.all_workers.Allreduce(MPI.IN_PLACE, host.numpy(), MPI.SUM)
+    if host is not b:
+        b.copy_(host)
 
 
 def measure(kinds: list[tuple[str, object, bool]], comm, rep_shift: int) -> dict:
@@ -275,6 +310,7 @@ if role is Role.WORKER:
 else:
     server.run()
 comms.free()
+machine = machine_record(DEVICE, world)
 if args.profile and rank in (0, topo.local_server(0), topo.global_servers[0]):
     for mb, prof in profiles.items():
         st = pstats.Stats(prof)
@@ -302,6 +338,19 @@ if rank == 0:
         }
         for size in labels
     }
+    # The floor: the faster of the job's two allreduces, run by run (MPI's timed alone)
+    floors = {"mpi": "mpi_allreduce", "gloo": "gloo_allreduce"}
+    for size in labels:
+        per_run[size]["vs_floor"] = [
+            w["geompi"][size]
+            / best_floor({k: w[v][size] for k, v in floors.items()}, lower_is_better=True)[1]
+            for w in (x["wall"] for x in runs)
+        ]
+        per_run[size]["scatter_vs_floor"] = [
+            w["geompi_scatter"][size]
+            / best_floor({k: w[v][size] for k, v in floors.items()}, lower_is_better=True)[1]
+            for w in (x["wall"] for x in runs)
+        ]
     ratios = {
         size: {r: statistics.median(v) for r, v in rs.items()} for size, rs in per_run.items()
     }
@@ -313,6 +362,12 @@ if rank == 0:
         k: {size: statistics.median(x["cpu"][k][size] for x in runs) for size in labels}
         for k in KINDS
     }
+    floor = {}  # by the medians: which allreduce is the floor at each size
+    for size in labels:
+        best, secs = best_floor(
+            {k: results[v][size] for k, v in floors.items()}, lower_is_better=True
+        )
+        floor[size] = {"best": best, "median_s": secs}
     out = {
         "benchmark": "sync_overhead",
         "ranks": world.Get_size(),
@@ -325,7 +380,11 @@ if rank == 0:
         "ratio": ratios,
         "ratio_runs": per_run,
         "cpu_s_per_round": cpu_s,
+        "floor": floor,
         "goal": "geompi / MPI.Allreduce <= 1.2 at 25 MB and <= 1.5 at 1 MB",
+        "goal_issue_38": "geompi / the best allreduce <= 2.0 at 1 MB and <= 1.2 at 25 MB",
+        "device": DEVICE,
+        "machine": machine,
         "mpi": MPI.Get_library_version().splitlines()[0],
         "torch": torch.__version__,
     }
@@ -344,6 +403,15 @@ if rank == 0:
             f" {r['scatter_vs_mpi_allreduce']:>12.2f} {r['vs_raw_two_tier']:>10.2f}"
             f" {r['vs_gloo_allreduce']:>11.2f}"
         )
+    for size, f in floor.items():
+        print(
+            f"{size}: floor {f['best']} ({f['median_s']:.4f} s); geompi / floor "
+            f"{ratios[size]['vs_floor']:.2f} (scatter {ratios[size]['scatter_vs_floor']:.2f})"
+        )
+    print(
+        f"device {DEVICE}, {machine['ranks']} ranks, {machine['ranks_per_core']} ranks per core, "
+        f"{machine['cpu_model']}"
+    )
     for size, rs in per_run.items():
         lo, hi = min(rs["vs_mpi_allreduce"]), max(rs["vs_mpi_allreduce"])
         c = {k: cpu_s[k][size] * 1e3 for k in ("geompi", "raw_two_tier", "mpi_allreduce")}
