@@ -1,23 +1,26 @@
 """Start-up cost: a 16-rank one-step geompi job against the bare floor, side by side.
 
     python bench/startup.py                 # 16 ranks, 5 interleaved repeats of each
-    python bench/startup.py --ranks 9 --repeat 3
+    python bench/startup.py --ranks 9 --repeat 3 --device cpu
 
 The floor is 16 ranks that only ``import torch`` and ``mpi4py.MPI`` and meet in a barrier:
 what any PyTorch-over-MPI job pays before it does anything. The geompi job is
 ``python -m geompi.train --steps 1`` (FSA on the digits CNN, the README's default job, cut to
 one step, no evaluation and no checkpoint). Both run under the same mpirun settings, one after
 the other, repeat by repeat, so that the machine's load affects them alike; the ratio of the
-medians is the figure (issue 16's goal: at most 1.3). Writes bench/results/startup.json.
+medians is the figure (issue 16's goal: at most 1.3). ``--device cpu`` (the default) hides the
+GPU from both jobs (``CUDA_VISIBLE_DEVICES`` empty), so that neither pays CUDA's start;
+``--device cuda`` lets geompi's workers take the GPU and makes the floor's ranks create a CUDA
+context too. The device and the machine are recorded. Writes bench/results/startup.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import pathlib
-import platform
 import shutil
 import statistics
 import subprocess
@@ -27,9 +30,14 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchenv import device_env, machine_record  # noqa: E402
+
 from geompi.runtime import LOCAL_OPENMPI_ENV  # noqa: E402
 
 FLOOR = "import torch; from mpi4py import MPI; MPI.COMM_WORLD.Barrier()"
+FLOOR_CUDA = (  # every rank makes its CUDA context, as a job on the GPU pays
+    "import torch; torch.zeros(1, device='cuda'); from mpi4py import MPI; MPI.COMM_WORLD.Barrier()"
+)
 GEOMPI = ["-m", "geompi.train", "--steps", "1", "--eval-every", "0", "--checkpoint-every", "0"]
 
 
@@ -53,6 +61,15 @@ def run_once(ranks: int, args: list[str], env: dict[str, str], timeout: float) -
     return took
 
 
+def mpi_version() -> str | None:
+    """The first line of ``mpirun --version``."""
+    try:
+        res = subprocess.run([mpirun(), "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return res.stdout.strip().splitlines()[0] if res.stdout.strip() else None
+
+
 def summary(xs: list[float]) -> dict[str, float]:
     return {"median_s": statistics.median(xs), "min_s": min(xs), "max_s": max(xs)}
 
@@ -62,12 +79,17 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=16)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--timeout", type=float, default=300.0)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "startup.json"))
     a = ap.parse_args()
     env = {**LOCAL_OPENMPI_ENV, **os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env.update(device_env(a.device))
+    if a.device == "cuda" and env.get("CUDA_VISIBLE_DEVICES") == "":
+        del env["CUDA_VISIBLE_DEVICES"]
+    floor_code = FLOOR_CUDA if a.device == "cuda" else FLOOR
     floor, job = [], []
     for i in range(a.repeat):
-        floor.append(run_once(a.ranks, ["-c", FLOOR], env, a.timeout))
+        floor.append(run_once(a.ranks, ["-c", floor_code], env, a.timeout))
         job.append(run_once(a.ranks, GEOMPI, env, a.timeout))
         print(f"repeat {i + 1}/{a.repeat}: floor {floor[-1]:.2f} s, geompi {job[-1]:.2f} s")
     ratios = [j / f for j, f in zip(job, floor)]
@@ -83,8 +105,15 @@ def main() -> None:
             "max": max(ratios),
         },
         "goal": "ratio_of_medians <= 1.3 (issue 16)",
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
-        "command": f"python bench/startup.py --ranks {a.ranks} --repeat {a.repeat}",
+        "device": a.device,
+        "machine": {
+            "cpus": os.cpu_count(),
+            **machine_record(a.device, ranks=a.ranks, mpi=mpi_version()),
+            "torch": importlib.metadata.version("torch"),
+            "visible_devices_env": env.get("CUDA_VISIBLE_DEVICES"),  # the jobs' (unset: None)
+        },
+        "command": f"python bench/startup.py --ranks {a.ranks} --repeat {a.repeat} "
+        f"--device {a.device}",
     }
     pathlib.Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
