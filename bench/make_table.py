@@ -76,6 +76,20 @@ def table(header: list[str], rows: list[list]) -> list[str]:
     return out
 
 
+def machine_note(d: dict) -> list[str]:
+    """'- Device ..., machine ...' from a result's ``machine`` record (bench/benchenv.py)."""
+    m = d.get("machine")
+    if not isinstance(m, dict) or "ranks_per_core" not in m:
+        return []
+    return [
+        f"- Device {m.get('device')} (CUDA_VISIBLE_DEVICES={m.get('visible_devices_env')!r}); "
+        f"{m.get('ranks')} ranks on {m.get('cores_available')} cores "
+        f"({m.get('ranks_per_core')} ranks per core), {m.get('cpu_model')}"
+        + (f", GPU {m['gpu']}" if m.get("gpu") else "")
+        + "."
+    ]
+
+
 # ---- one renderer per benchmark: data -> markdown lines ----------------------------------------
 def render_throughput(d: dict) -> list[str]:
     sps, ratio, goals = d["samples_per_s"], d["ratio"], d.get("goals", {})
@@ -161,6 +175,27 @@ def render_throughput(d: dict) -> list[str]:
             )
             + " (geompi's include its start-up)."
         )
+    vs_floor = d.get("vs_floor")
+    if vs_floor:
+        out.append(
+            "- geompi against the floor, the faster of the same training with plain "
+            "MPI.Allreduce or plain gloo all_reduce exchanges: "
+            + "; ".join(
+                f"{sync.upper()} {num(v['best'])} (floor {d['floor'][sync]['best']}; against "
+                f"MPI {num(v.get('vs_mpi'))}, gloo {num(v.get('vs_gloo'))})"
+                for sync, v in vs_floor.items()
+            )
+            + "."
+        )
+    per_step = d.get("per_step")
+    if per_step:
+        out.append(
+            "- Per step, wall ms / CPU ms summed over the ranks (geompi's less its start-up): "
+            + "; ".join(
+                f"{k} {num(v['wall_ms'])} / {num(v.get('cpu_ms'))}" for k, v in per_step.items()
+            )
+            + "."
+        )
     m = d.get("machine_cpu_s")
     if m and m.get("available"):
         out.append(
@@ -168,7 +203,7 @@ def render_throughput(d: dict) -> list[str]:
             f"of its {d.get('cpus')} CPUs during the timed runs (this job "
             f"{100 * m['this_job'] / m['available']:.0f}%)."
         )
-    return out
+    return out + machine_note(d)
 
 
 def render_sync_overhead(d: dict) -> list[str]:
@@ -233,6 +268,17 @@ def render_sync_overhead(d: dict) -> list[str]:
             )
             + "."
         )
+    floor = d.get("floor")
+    if floor:
+        out.append("")
+        out.append(
+            "Against the floor, the faster of MPI.Allreduce and gloo's all_reduce in this job: "
+            + ", ".join(
+                f"{size} {num(ratio[size].get('vs_floor'))} ({f['best']})"
+                for size, f in floor.items()
+            )
+            + "."
+        )
     beside = {size: r["allreduce_beside_gloo_vs_alone"] for size, r in ratio.items()
               if "allreduce_beside_gloo_vs_alone" in r}  # fmt: skip
     if beside:
@@ -243,7 +289,8 @@ def render_sync_overhead(d: dict) -> list[str]:
             + ", ".join(f"{size} {num(v)}" for size, v in beside.items())
             + "."
         )
-    return out
+    note = machine_note(d)
+    return out + ([""] + note if note else [])
 
 
 def render_mixed_slowdown(d: dict) -> list[str]:
