@@ -75,6 +75,7 @@ print('torch', torch.__version__, 'cuda', torch.version.cuda)" || { echo "node_p
 mpirun --version | head -1
 command -v nvidia-smi >/dev/null && nvidia-smi -L
 grep -m1 "model name" /proc/cpuinfo
+command -v lscpu >/dev/null && lscpu | grep -E "^(CPU\(s\)|Thread|Core|Socket|NUMA node\(s\))"
 
 # ---- the runs
 if [ $QUICK = 1 ]; then
