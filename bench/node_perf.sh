@@ -12,7 +12,9 @@
 # --quick       4 ranks, one repeat, few steps and small buffers: checks the script end to end.
 # --no-gpu      skip the runs with --device cuda (they are skipped anyway without a GPU).
 # --budget S    the whole script's limit in seconds (default 540); each run gets what is left,
-#               less 25 s kept for the summary; a run that would not fit is skipped and listed.
+#               less 25 s kept for the summary, at most its share (its cap, scaled by S / 540);
+#               a run that would not fit is skipped and listed. On the 2-core machine,
+#               `--no-gpu --budget 1800` gives the CPU-seconds comparison of issue 38.
 #
 # Writes at most 8 files into $OUT (default /tmp/node_perf), as the device tool brings back:
 # throughput_{cpu,cuda}.json, sync_overhead_{cpu,cuda}.json, startup_{cpu,cuda}.json,
@@ -94,7 +96,7 @@ fi
 SKIPPED=()
 # run NAME NEED CAP CMD...: CMD under the time left (at most CAP s), unless less than NEED s is.
 run() {
-  local name=$1 need=$2 cap=$3; shift 3
+  local name=$1 need=$2 cap=$(($3 * BUDGET / 540)); shift 3
   local left=$((DEADLINE - $(date +%s)))
   if [ "$left" -lt "$need" ]; then
     echo "== $name: skipped (${left}s left, needs ${need}s)"; SKIPPED+=("$name"); return
