@@ -72,7 +72,7 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe OMPI_MCA_osc=rdma OMPI_MCA_pml=ob1
 export OMPI_MCA_btl=self,sm,tcp OMPI_MCA_mpi_yield_when_idle=1
 "$PY" -c "import mpi4py, torch; from mpi4py import MPI
-print('mpi4py', mpi4py.__version__, mpi4py.__file__); print(MPI.Get_library_version().splitlines()[0])
+print('mpi4py', mpi4py.__version__, mpi4py.__file__); print(MPI.Get_library_version().splitlines()[0].rstrip(chr(0)))
 print('torch', torch.__version__, 'cuda', torch.version.cuda)" || { echo "node_perf: no mpi4py"; exit 1; }
 mpirun --version | head -1
 command -v nvidia-smi >/dev/null && nvidia-smi -L
