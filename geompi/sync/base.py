@@ -142,6 +142,20 @@ class WorkerSide:
         """Whether the global servers hold optimizer state (a checkpoint's)."""
         return self.servers_step
 
+    @property
+    def optimizer_state_on_servers(self) -> bool:
+        """Whether the global servers hold the user's optimizer's own state (they step it): a
+        checkpoint takes that state from them, and the workers keep none."""
+        return self.servers_step
+
+    @property
+    def takes_scaler_state(self) -> bool:
+        """Whether ``step()`` takes a GradScaler's state (torch's ``_step_supports_amp_scaling``)
+        instead of the scaler unscaling the gradients before it: where the gradients were
+        applied before ``step()`` (by the global servers, during backward), so that
+        ``check_scaler`` refuses it."""
+        return self.servers_step
+
     def state(self) -> dict:
         """The counters a checkpoint keeps, besides the engine's ``global_syncs``."""
         return {}
@@ -259,6 +273,13 @@ class Algorithm:
     def on_servers(self) -> bool:
         """Whether the global servers run the optimizer (the workers then pull parameters)."""
         return False
+
+    @property
+    def optimizer_state_per_worker(self) -> bool:
+        """Whether each worker's optimizer holds a state of its own (it steps on its own
+        gradients between averages): a checkpoint keeps every worker's, and each worker
+        resumes from its own."""
+        return self.local_steps
 
     def period(self) -> int:
         """Steps from one global model to the next (the CLI trains and checkpoints in these)."""
