@@ -23,6 +23,7 @@ from typing import Any, ClassVar, NoReturn, Protocol
 import torch
 
 from geompi.ps.policy import Assign, GlobalPolicy, LocalPolicy, UpNow
+from geompi.ps.protocol import FLAG_SUM, Op
 
 
 @dataclass(frozen=True)
@@ -268,6 +269,21 @@ class Algorithm:
     default_momentum: ClassVar[float] = 0.9
     # What a datacenter lost under on_failure="continue" takes with it (the line says).
     left_with: ClassVar[str] = "their updates since the last global average"  # HFA's
+    # GeoMX's spellings (geompi.config, geompi.kv), each read from the class itself, as
+    # ``name`` (a subclass does not inherit them; ``geompi.sync.declared``):
+    # an environment variable that, set to 1, chooses this algorithm as GEOMPI_SYNC=name does
+    # (HFA: MXNET_KVSTORE_USE_HFA), and a command-line switch for --sync name (MixedSync:
+    # --mixed-sync);
+    switch_variable: ClassVar[str | None] = None
+    switch_flag: ClassVar[str | None] = None
+    # the environment variables of the RunConfig settings it reads: each setting's variables,
+    # geompi's first, then GeoMX's (a flag wins; two variables given must agree);
+    variables: ClassVar[dict[str, tuple[str, ...]]] = {}
+    # the KVStore type (geompi.kv.create) that trains with it, and the types it takes over
+    # when the environment chooses it (HFA: dist_sync under MXNET_KVSTORE_USE_HFA=1; another
+    # type, owned by another algorithm, is then refused).
+    kvstore_type: ClassVar[str | None] = None
+    kvstore_takes: ClassVar[tuple[str, ...]] = ()
 
     @property
     def on_servers(self) -> bool:
@@ -371,6 +387,13 @@ class Algorithm:
         names = {f.name for f in fields(cls)}
         given = getattr(cfg, "algorithm_args", None) or {}
         return {k: v for k, v in given.items() if k in names}
+
+    def kvstore_push(self, workers: int) -> tuple[Op, float, int]:
+        """The round a KVStore's pushes make (geompi.kv, under this algorithm's
+        ``kvstore_type``): its kind, each push's weight and the header's flags; ``workers``:
+        the datacenter's. Here gradients, summed, which the global servers' optimizer applies
+        (without one, the sum becomes the value)."""
+        return Op.GRAD, 1.0, FLAG_SUM
 
     def server_spec(self, optimizer: torch.optim.Optimizer) -> dict | None:
         """What the global servers need from the user's optimizer, sent in the INIT round."""
