@@ -253,7 +253,17 @@ class WorkerSide:
 
 @dataclass(frozen=True)
 class Algorithm:
-    """What every algorithm provides; the subclasses hold its settings."""
+    """What every algorithm provides; the subclasses hold its settings.
+
+    A new algorithm implements ``worker`` and ``make_server`` (or inherits a built-in one's);
+    everything else has a default here. The rest of geompi never tests which algorithm runs:
+    it asks questions named after a behaviour, answered by the class attributes and methods
+    below and by its :class:`WorkerSide` (``optimizer_state_per_worker`` here,
+    ``optimizer_state_on_servers`` and ``takes_scaler_state`` there: where the optimizer's
+    state lives, for geompi.state's checkpoints, and how a GradScaler meets ``step()``), and
+    GeoMX's spellings (``switch_variable``, ``switch_flag``, ``variables``, ``kvstore_type``,
+    ``kvstore_takes``, ``kvstore_push``) say how geompi.config and geompi.kv reach it.
+    """
 
     name: ClassVar[str] = "base"
     # The user's optimizer steps on each worker between synchronizations, which average
