@@ -424,6 +424,7 @@ class _Parser(argparse.ArgumentParser):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.flag_owners: dict[str, type] = {}  # dest -> the algorithm class that added it
+        self.switches: dict[str, tuple[str, str]] = {}  # dest -> (a switch flag, its --sync)
 
     def error(self, message: str):
         raise ConfigError(f"{message}: see python -m geompi.train --help")
@@ -534,7 +535,18 @@ def _algorithm_flags(p: _Parser, d: RunConfig) -> None:
         metavar=_one_of(SYNCS) + "|MODULE:CLASS",
         help=f"algorithm, or pkg.module:Class for one of your own (default {d.sync})",
     )
-    a.add_argument("--mixed-sync", action="store_true", help="GeoMX alias for --sync mixed")
+    from geompi import sync as registry
+
+    for cls, flag in registry.declared("switch_flag"):  # MixedSync's --mixed-sync
+        try:
+            action = a.add_argument(
+                flag, action="store_true", help=f"GeoMX alias for --sync {cls.name}"
+            )
+        except (argparse.ArgumentError, ValueError, TypeError) as e:
+            raise ConfigError(
+                f"{cls.__qualname__}.switch_flag {flag!r} cannot be added ({e}): rename it"
+            ) from None
+        p.switches[action.dest] = (flag, cls.name)
     a.add_argument("--dcasgd", action="store_true", help="GeoMX alias for --optimizer dcasgd")
     a.add_argument(
         "--dcasgd-lambda", type=_float, help=f"DCASGD lambda (default {d.dcasgd_lambda:g})"
@@ -727,8 +739,6 @@ _ENV = {
     "dcs": "GEOMPI_DCS",
     "dc_sizes": "GEOMPI_DC_SIZES",
     "global_servers": "GEOMPI_GLOBAL_SERVERS",
-    "k1": "GEOMPI_HFA_K1",
-    "k2": "GEOMPI_HFA_K2",
     "wan_bandwidth": "GEOMPI_WAN_BANDWIDTH",
     "wan_latency": "GEOMPI_WAN_LATENCY",
     "lan_bandwidth": "GEOMPI_LAN_BANDWIDTH",
@@ -738,7 +748,8 @@ _ENV = {
 _ENV_STR = (
     "sync", "wan_bandwidth", "wan_latency", "lan_bandwidth", "wan_compression", "lan_reduce",
 )  # fmt: skip
-_GEOMX = {"k1": "MXNET_KVSTORE_HFA_K1", "k2": "MXNET_KVSTORE_HFA_K2"}
+# An algorithm's own variables (HFA's K1 and K2, GeoMX's switch to HFA) are its to declare:
+# Algorithm.variables and switch_variable, read here from every registered algorithm.
 # Variables that look like settings but are not (the docs list those that are): refused,
 # so a run does not go ahead without the setting its user believes is on.
 _NOT_READ = {
@@ -753,8 +764,24 @@ def _env_int(env: Mapping[str, str], var: str) -> int:
         raise ConfigError(f"{var}={env[var]!r}: must be a whole number") from None
 
 
+def _env_value(env: Mapping[str, str], var: str, setting: str):
+    """An algorithm's variable as its RunConfig setting's type (that of the default)."""
+    default = RunConfig.__dataclass_fields__[setting].default
+    if isinstance(default, int) and not isinstance(default, bool):
+        return _env_int(env, var)
+    if isinstance(default, float):
+        try:
+            return float(env[var])
+        except ValueError:
+            raise ConfigError(f"{var}={env[var]!r}: must be a number") from None
+    return env[var].strip()
+
+
 def from_env(env: Mapping[str, str] | None = None) -> dict:
-    """Settings from ``GEOMPI_*`` and GeoMX's ``MXNET_KVSTORE_*`` variables."""
+    """Settings from ``GEOMPI_*`` and GeoMX's ``MXNET_KVSTORE_*`` variables (each algorithm's
+    own: ``Algorithm.variables`` and ``switch_variable``)."""
+    from geompi import sync as registry
+
     env = os.environ if env is None else env
     out: dict = {}
     sources: dict[str, str] = {}
@@ -771,24 +798,28 @@ def from_env(env: Mapping[str, str] | None = None) -> dict:
         else:
             out[name] = _env_int(env, var)
         sources[name] = var
-    for name, var in _GEOMX.items():
-        if env.get(var, "").strip() == "":
+    for _, variables in registry.declared("variables"):
+        for name, spellings in variables.items():
+            for var in spellings:  # geompi's first, then GeoMX's: two given must agree
+                if env.get(var, "").strip() == "":
+                    continue
+                v = _env_value(env, var, name)
+                if name in out and out[name] != v:
+                    raise ConfigError(
+                        f"{sources[name]}={out[name]} and {var}={v} disagree: unset one of them"
+                    )
+                out[name] = v
+                sources.setdefault(name, var)
+    for cls, var in registry.declared("switch_variable"):
+        switch = env.get(var, "").strip()
+        if switch in ("", "0"):
             continue
-        v = _env_int(env, var)
-        if name in out and out[name] != v:
-            raise ConfigError(f"{_ENV[name]}={out[name]} and {var}={v} disagree: unset one of them")
-        out.setdefault(name, v)
-        sources.setdefault(name, var)
-    hfa = env.get("MXNET_KVSTORE_USE_HFA", "").strip()
-    if hfa not in ("", "0"):
-        if hfa != "1":
-            raise ConfigError(f"MXNET_KVSTORE_USE_HFA={hfa!r}: must be 0 or 1")
-        if out.get("sync", "hfa") != "hfa":
-            raise ConfigError(
-                f"GEOMPI_SYNC={out['sync']} and MXNET_KVSTORE_USE_HFA=1 disagree: unset one"
-            )
-        out["sync"] = "hfa"
-        sources["sync"] = "MXNET_KVSTORE_USE_HFA"
+        if switch != "1":
+            raise ConfigError(f"{var}={switch!r}: must be 0 or 1")
+        if out.get("sync", cls.name) != cls.name:
+            raise ConfigError(f"{sources['sync']}={out['sync']} and {var}=1 disagree: unset one")
+        out["sync"] = cls.name
+        sources["sync"] = var
     out["sources"] = sources
     return out
 
@@ -815,10 +846,11 @@ def make_config(
         if extra:
             values["algorithm_args"] = extra
             sources.update({k: "--" + k.replace("_", "-") for k in extra})
-        if cli.pop("mixed_sync", False):
-            if cli.get("sync", "mixed") != "mixed":
-                raise ConfigError(f"--mixed-sync conflicts with --sync {cli['sync']}: drop one")
-            cli["sync"] = "mixed"
+        for dest, (flag, chosen_name) in parser.switches.items():  # GeoMX's --mixed-sync
+            if cli.pop(dest, False):
+                if cli.get("sync", chosen_name) != chosen_name:
+                    raise ConfigError(f"{flag} conflicts with --sync {cli['sync']}: drop one")
+                cli["sync"] = chosen_name
         if cli.pop("dcasgd", False):
             if cli.get("optimizer", "dcasgd") != "dcasgd":
                 raise ConfigError(

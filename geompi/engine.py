@@ -151,9 +151,14 @@ class Synchronizer:
 
     # ---- what the worker side holds, for the engine's callers (the CLI's loop) -------------
     @property
-    def server_side(self) -> bool:
-        """Whether the global servers run the optimizer (the workers pull parameters)."""
-        return self.side.servers_step
+    def optimizer_state_on_servers(self) -> bool:
+        """Whether the global servers hold the optimizer's state (WorkerSide's question)."""
+        return self.side.optimizer_state_on_servers
+
+    @property
+    def takes_scaler_state(self) -> bool:
+        """Whether step() takes a GradScaler's state (WorkerSide's question)."""
+        return self.side.takes_scaler_state
 
     @property
     def steps(self) -> int:
@@ -468,7 +473,8 @@ class LocalEngine:
     outer optimizer, MixedSync's server-side step: none run). ``geompi.save``/``load`` write and
     read the same file as one worker would."""
 
-    server_side = False  # the user's step runs here: a GradScaler unscales as usual
+    optimizer_state_on_servers = False  # the user's optimizer steps here, its state with it
+    takes_scaler_state = False  # the user's step runs here: a GradScaler unscales as usual
     holds_server_state = False  # nothing held elsewhere: state_dict() is torch's own
     lossy_wan = False  # no WAN codec
 

@@ -25,6 +25,7 @@ import atexit
 import json
 import sys
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -34,10 +35,11 @@ from geompi.config import make_config
 from geompi.errors import ConfigError
 from geompi.ps.client import PSClient
 from geompi.ps.optim import Spec, spec_to_dict
-from geompi.ps.protocol import FLAG_SUM, MAX_KEYS, Op
+from geompi.ps.protocol import MAX_KEYS, Op
 from geompi.runtime import install_excepthook
 
-KV_TYPES = ("dist_sync", "dist_async", "dist_sync_hfa")
+if TYPE_CHECKING:
+    from geompi.sync import Algorithm
 
 
 @dataclass
@@ -69,7 +71,7 @@ class _Round:
 class KVStore:
     """A worker's handle on the parameter servers. Create it with ``geompi.kv.create``."""
 
-    def __init__(self, kind: str, session, hfa: bool) -> None:
+    def __init__(self, kind: str, session, algo: Algorithm) -> None:
         topo, comms, stats = session.topo, session.comms, session.stats
         rank = comms.world.Get_rank()
         self._session = session
@@ -83,7 +85,9 @@ class KVStore:
         self.num_workers = len(topo.workers(self.dc))
         self.num_all_workers = topo.num_workers
         self.is_master_worker = rank == 0
-        self._hfa = hfa
+        # a push round's kind, each push's weight and flags: the algorithm's (gradients summed,
+        # or HFA's parameters averaged)
+        self._push = algo.kvstore_push(self.num_workers)
         self._client = PSClient(Link(comms.dc, LAN, stats))
         self._keys: dict[object, _Key] = {}
         self._spec: bytes | None = None
@@ -197,10 +201,7 @@ class KVStore:
         queue = sorted(self._queue, key=lambda item: (item[0], item[1]))
         self._queue = []
         pulls, self._queued_pulls = self._queued_pulls, []
-        if self._hfa:
-            op, weight, flags = Op.AVG, 1.0 / self.num_workers, 0
-        else:
-            op, weight, flags = Op.GRAD, 1.0, FLAG_SUM
+        op, weight, flags = self._push
         for i in range(0, len(queue), MAX_KEYS):
             part = [(entry, data) for _, _, entry, data in queue[i : i + MAX_KEYS]]
             self._run_round(op, part, weight, flags)
@@ -258,11 +259,9 @@ def create(
     install_excepthook()
 
     def config():
-        if name not in KV_TYPES:
-            raise ConfigError(f"unknown KVStore type {name!r}: choose one of {', '.join(KV_TYPES)}")
+        sync.for_kvstore(name)  # an unknown type: one line, before the environment's
         cfg = make_config(dcs=dcs, dc_sizes=dc_sizes, global_servers=global_servers)
-        if name == "dist_async" and cfg.sync == "hfa":
-            raise ConfigError("dist_async and HFA (MXNET_KVSTORE_USE_HFA=1) disagree: unset one")
+        sync.for_kvstore(name, cfg)  # a type the environment's algorithm disagrees with
         return cfg
 
     def plan(cfg, c) -> Topology:
@@ -271,14 +270,9 @@ def create(
     # The one start-up and serve path (geompi.session), as the CLI's and geompi.init()'s: the
     # workers announce the servers' algorithm, the servers serve it until the workers finish.
     s = session.start(config, comm, plan=plan)
-    cfg = s.cfg
-    hfa = name == "dist_sync_hfa" or (cfg.sync == "hfa" and name != "dist_async")
     if not s.is_worker:
         session.serve_until_finished(s)
         sys.exit(0)
-    if name == "dist_async":
-        algo = sync.MixedSync()
-    else:
-        algo = sync.HFA(k1=cfg.k1, k2=cfg.k2) if hfa else sync.FSA(optimizer="servers")
+    algo = sync.for_kvstore(name, s.cfg).from_config(s.cfg)  # the environment's (HFA's K1, K2)
     s.send_job(algo.job(), None)
-    return KVStore(name, s, hfa)
+    return KVStore(name, s, algo)

@@ -39,7 +39,7 @@ def _stamp_rank(previous):
 
     def factory(*args, **kwargs) -> logging.LogRecord:
         record = previous(*args, **kwargs)
-        if record.name == ROOT or record.name.startswith(ROOT + "."):
+        if f"{record.name}.".startswith(f"{ROOT}."):  # geompi itself or a child logger
             record.rank = rank_of_process()
         return record
 

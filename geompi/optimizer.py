@@ -226,7 +226,7 @@ class GeompiOptimizer(torch.optim.Optimizer):
         """Where the global servers step, a GradScaler hands step() its state (``found_inf``)
         instead of unscaling: step() then refuses it, since the servers stepped on the scaled
         gradients during backward."""
-        return self._geompi.server_side
+        return self._geompi.takes_scaler_state
 
     def step(self, closure: Callable[[], float] | None = None):
         """One training step of the chosen algorithm (the same call on every worker)."""

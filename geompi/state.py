@@ -102,7 +102,8 @@ def _check_carried(optimizer, engine, verb: str) -> None:
             f"geompi.{verb}(optimizer=...) after opt.close(): the global servers held its "
             f"state and have let it go; call geompi.{verb} before close()"
         )
-    if optimizer is not None and engine is not None and engine.server_side and engine.lossy_wan:
+    held = engine is not None and engine.optimizer_state_on_servers
+    if optimizer is not None and held and engine.lossy_wan:
         raise ConfigError(
             f"geompi.{verb}(optimizer=...) with a lossy wan_compression where the global "
             "servers step: the codec's residuals (held by the local servers) are not saved, so "
@@ -114,7 +115,7 @@ def _check_carried(optimizer, engine, verb: str) -> None:
 def _gather_local(optimizer, engine, model) -> list[dict] | None:
     """HFA: every worker's own optimizer state by parameter name, on the master (collective
     over the workers); None where the workers share one state or elsewhere."""
-    if optimizer is None or engine is None or not engine.algo.local_steps:
+    if optimizer is None or engine is None or not engine.algo.optimizer_state_per_worker:
         return None
     from geompi.comm.transport import barrier_before_collective
 
@@ -285,7 +286,7 @@ def _restore(ck: ckpt.Checkpoint, model: torch.nn.Module, optimizer, engine, s) 
     sd = torch_state(ck, names)
     hfa = ck.algorithm.get("hfa", {})
     local = hfa.get("local", {})
-    if engine is not None and engine.algo.local_steps and local:
+    if engine is not None and engine.algo.optimizer_state_per_worker and local:
         me = f"worker{s.topo.worker_index(s.rank)}"
         if len(local) == s.topo.num_workers or me in local:
             sd["state"] = _indexed(local.get(me, {}), names, ck.path)
@@ -372,7 +373,7 @@ def split_held(engine, sd: dict) -> tuple[dict | None, dict]:
         return None, sd
     names = engine.param_names()
     held: dict = {"optimizer": {}, "algorithm": {}, "model": {}}
-    if engine.server_side:
+    if engine.optimizer_state_on_servers:
         for i, entries in sd.get("state", {}).items():
             for state_name, value in entries.items():
                 t = torch.as_tensor(value)

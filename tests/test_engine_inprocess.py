@@ -19,7 +19,7 @@ import geompi.engine as engine_module
 from geompi.comm.topology import Role, Topology, build_communicators
 from geompi.comm.transport import LinkStats
 from geompi.config import RunConfig
-from geompi.engine import Synchronizer
+from geompi.engine import LocalEngine, Synchronizer
 from geompi.errors import ConfigError
 from geompi.session import Session
 from geompi.sync import FSA, HFA, MixedSync
@@ -181,6 +181,24 @@ def test_each_algorithm_returns_its_worker_side():
         assert type(algo.worker(engine)) is cls  # HFA's: the training tests above
     assert FSAServersWorker.servers_step and MixedWorker.servers_step
     assert not FSAWorker.servers_step and not HFAWorker.pushes_gradients
+
+
+def test_where_the_optimizers_state_lives_is_each_algorithms_answer():
+    """The questions geompi.state and geompi.optimizer ask, instead of the algorithm's kind:
+    the servers hold the optimizer's state (and a GradScaler hands step() its state) where
+    they step; each worker holds its own where it steps locally between averages (HFA)."""
+    engine = object()
+    for algo, servers, per_worker in [
+        (FSA(), False, False),
+        (FSA(optimizer="servers"), True, False),
+        (MixedSync(), True, False),
+        (HFA(), False, True),
+    ]:
+        side = algo.worker(engine) if not isinstance(algo, HFA) else object.__new__(HFAWorker)
+        assert side.optimizer_state_on_servers is servers, algo
+        assert side.takes_scaler_state is servers, algo
+        assert algo.optimizer_state_per_worker is per_worker, algo
+    assert not LocalEngine.optimizer_state_on_servers and not LocalEngine.takes_scaler_state
 
 
 def test_force_global_average_and_options_are_the_algorithms_to_refuse():

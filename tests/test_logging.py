@@ -85,3 +85,18 @@ def test_a_bad_log_level_variable_is_one_line_at_start(monkeypatch):
     with pytest.raises(ConfigError) as e:
         check_log_level()
     assert str(e.value) == ("GEOMPI_LOG_LEVEL='verbose': choose one of DEBUG, INFO, WARNING, ERROR")
+
+
+def test_the_rank_is_stamped_on_geompi_and_its_children_only():
+    factory = logs._stamp_rank(logging.LogRecord)
+    for name, stamped in [
+        ("geompi", True),
+        ("geompi.metrics", True),
+        ("geompi.a.b", True),
+        ("geompix", False),
+        ("geomp", False),
+        ("app.geompi", False),
+        ("", False),
+    ]:
+        record = factory(name, logging.INFO, __file__, 1, "m", (), None)
+        assert hasattr(record, "rank") is stamped, name

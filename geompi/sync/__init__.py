@@ -117,6 +117,50 @@ def from_config(cfg) -> Algorithm:
     return lookup(cfg.sync).from_config(cfg)
 
 
+def declared(attr: str) -> list[tuple[type[Algorithm], Any]]:
+    """Each registered class that itself gives a GeoMX spelling (``switch_variable``,
+    ``switch_flag``, ``variables``, ``kvstore_type``, ``kvstore_takes``: see
+    :class:`Algorithm`), with its value, in the order of registration. As ``name``, a class's
+    own, not one it inherits: a subclass of HFA is not chosen by HFA's variable."""
+    out = []
+    for cls in dict.fromkeys(REGISTRY.values()):
+        value = vars(cls).get(attr)
+        if value:
+            out.append((cls, value))
+    return out
+
+
+def kvstore_types() -> list[str]:
+    """The KVStore types the registered algorithms train (``geompi.kv.create``'s choices)."""
+    return [kind for _, kind in declared("kvstore_type")]
+
+
+def for_kvstore(kind: str, cfg: Any = None) -> type[Algorithm]:
+    """The algorithm a KVStore of type ``kind`` trains (geompi.kv.create): the one whose
+    ``kvstore_type`` it is (an unknown type: one ConfigError line), unless the environment's
+    algorithm (``cfg.sync``, a RunConfig's, as spelt) takes it over (``kvstore_takes``: HFA,
+    chosen by MXNET_KVSTORE_USE_HFA=1, takes ``dist_sync``). An algorithm that takes types
+    over refuses, in one line, a type it does not take: the two disagree."""
+    own = {kind_: cls for cls, kind_ in declared("kvstore_type")}
+    if kind not in own:
+        raise ConfigError(
+            f"unknown KVStore type {kind!r}: choose one of {', '.join(kvstore_types())}"
+        )
+    chosen = None if cfg is None else REGISTRY.get(cfg.sync)
+    if chosen is None or chosen is own[kind]:
+        return own[kind]
+    takes = vars(chosen).get("kvstore_takes", ())
+    if kind in takes:
+        return chosen
+    if takes:
+        source = cfg.sources.get("sync", "sync")
+        value = 1 if source == vars(chosen).get("switch_variable") else cfg.sync
+        raise ConfigError(
+            f"{kind} and {chosen.__qualname__} ({source}={value}) disagree: unset one"
+        )
+    return own[kind]
+
+
 def from_job(job: dict) -> Algorithm:
     """The algorithm the master worker announced to the servers (``Algorithm.job()``); one
     from outside the package is imported from the path the job carries."""
@@ -136,9 +180,12 @@ __all__ = [
     "REGISTRY",
     "Algorithm",
     "MixedSync",
+    "declared",
     "family",
+    "for_kvstore",
     "from_config",
     "from_job",
+    "kvstore_types",
     "load",
     "lookup",
     "number",

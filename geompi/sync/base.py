@@ -23,6 +23,7 @@ from typing import Any, ClassVar, NoReturn, Protocol
 import torch
 
 from geompi.ps.policy import Assign, GlobalPolicy, LocalPolicy, UpNow
+from geompi.ps.protocol import FLAG_SUM, Op
 
 
 @dataclass(frozen=True)
@@ -142,6 +143,20 @@ class WorkerSide:
         """Whether the global servers hold optimizer state (a checkpoint's)."""
         return self.servers_step
 
+    @property
+    def optimizer_state_on_servers(self) -> bool:
+        """Whether the global servers hold the user's optimizer's own state (they step it): a
+        checkpoint takes that state from them, and the workers keep none."""
+        return self.servers_step
+
+    @property
+    def takes_scaler_state(self) -> bool:
+        """Whether ``step()`` takes a GradScaler's state (torch's ``_step_supports_amp_scaling``)
+        instead of the scaler unscaling the gradients before it: where the gradients were
+        applied before ``step()`` (by the global servers, during backward), so that
+        ``check_scaler`` refuses it."""
+        return self.servers_step
+
     def state(self) -> dict:
         """The counters a checkpoint keeps, besides the engine's ``global_syncs``."""
         return {}
@@ -238,7 +253,17 @@ class WorkerSide:
 
 @dataclass(frozen=True)
 class Algorithm:
-    """What every algorithm provides; the subclasses hold its settings."""
+    """What every algorithm provides; the subclasses hold its settings.
+
+    A new algorithm implements ``worker`` and ``make_server`` (or inherits a built-in one's);
+    everything else has a default here. The rest of geompi never tests which algorithm runs:
+    it asks questions named after a behaviour, answered by the class attributes and methods
+    below and by its :class:`WorkerSide` (``optimizer_state_per_worker`` here,
+    ``optimizer_state_on_servers`` and ``takes_scaler_state`` there: where the optimizer's
+    state lives, for geompi.state's checkpoints, and how a GradScaler meets ``step()``), and
+    GeoMX's spellings (``switch_variable``, ``switch_flag``, ``variables``, ``kvstore_type``,
+    ``kvstore_takes``, ``kvstore_push``) say how geompi.config and geompi.kv reach it.
+    """
 
     name: ClassVar[str] = "base"
     # The user's optimizer steps on each worker between synchronizations, which average
@@ -254,11 +279,33 @@ class Algorithm:
     default_momentum: ClassVar[float] = 0.9
     # What a datacenter lost under on_failure="continue" takes with it (the line says).
     left_with: ClassVar[str] = "their updates since the last global average"  # HFA's
+    # GeoMX's spellings (geompi.config, geompi.kv), each read from the class itself, as
+    # ``name`` (a subclass does not inherit them; ``geompi.sync.declared``):
+    # an environment variable that, set to 1, chooses this algorithm as GEOMPI_SYNC=name does
+    # (HFA: MXNET_KVSTORE_USE_HFA), and a command-line switch for --sync name (MixedSync:
+    # --mixed-sync);
+    switch_variable: ClassVar[str | None] = None
+    switch_flag: ClassVar[str | None] = None
+    # the environment variables of the RunConfig settings it reads: each setting's variables,
+    # geompi's first, then GeoMX's (a flag wins; two variables given must agree);
+    variables: ClassVar[dict[str, tuple[str, ...]]] = {}
+    # the KVStore type (geompi.kv.create) that trains with it, and the types it takes over
+    # when the environment chooses it (HFA: dist_sync under MXNET_KVSTORE_USE_HFA=1; another
+    # type, owned by another algorithm, is then refused).
+    kvstore_type: ClassVar[str | None] = None
+    kvstore_takes: ClassVar[tuple[str, ...]] = ()
 
     @property
     def on_servers(self) -> bool:
         """Whether the global servers run the optimizer (the workers then pull parameters)."""
         return False
+
+    @property
+    def optimizer_state_per_worker(self) -> bool:
+        """Whether each worker's optimizer holds a state of its own (it steps on its own
+        gradients between averages): a checkpoint keeps every worker's, and each worker
+        resumes from its own."""
+        return self.local_steps
 
     def period(self) -> int:
         """Steps from one global model to the next (the CLI trains and checkpoints in these)."""
@@ -350,6 +397,13 @@ class Algorithm:
         names = {f.name for f in fields(cls)}
         given = getattr(cfg, "algorithm_args", None) or {}
         return {k: v for k, v in given.items() if k in names}
+
+    def kvstore_push(self, workers: int) -> tuple[Op, float, int]:
+        """The round a KVStore's pushes make (geompi.kv, under this algorithm's
+        ``kvstore_type``): its kind, each push's weight and the header's flags; ``workers``:
+        the datacenter's. Here gradients, summed, which the global servers' optimizer applies
+        (without one, the sum becomes the value)."""
+        return Op.GRAD, 1.0, FLAG_SUM
 
     def server_spec(self, optimizer: torch.optim.Optimizer) -> dict | None:
         """What the global servers need from the user's optimizer, sent in the INIT round."""

@@ -36,6 +36,7 @@ class FSA(Algorithm):
 
     name: ClassVar[str] = "fsa"
     follows_hyperparameters: ClassVar[bool] = True
+    kvstore_type: ClassVar[str | None] = "dist_sync"
     # "workers" (default): the user's optimizer on every worker over the global gradient;
     # "servers": GeoMX's placement, the optimizer and its state sharded on the global servers.
     optimizer: str = "workers"

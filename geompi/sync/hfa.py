@@ -51,6 +51,14 @@ class HFA(Algorithm):
 
     name: ClassVar[str] = "hfa"
     local_steps: ClassVar[bool] = True
+    # GeoMX's: MXNET_KVSTORE_USE_HFA=1 chooses HFA, and with it a KVStore's dist_sync
+    switch_variable: ClassVar[str | None] = "MXNET_KVSTORE_USE_HFA"
+    variables: ClassVar[dict[str, tuple[str, ...]]] = {
+        "k1": ("GEOMPI_HFA_K1", "MXNET_KVSTORE_HFA_K1"),
+        "k2": ("GEOMPI_HFA_K2", "MXNET_KVSTORE_HFA_K2"),
+    }
+    kvstore_type: ClassVar[str | None] = "dist_sync_hfa"
+    kvstore_takes: ClassVar[tuple[str, ...]] = ("dist_sync",)
     k1: int = 4  # the one default of K1 and K2: the CLI's and the Slurm script's too
     k2: int = K2_DEFAULT
     weighting: str = "samples"  # or "uniform": every datacenter the same (GeoMX's)
@@ -150,6 +158,11 @@ class HFA(Algorithm):
             return self.k2_min
         k2 = math.ceil(exchange_s / (self.wan_share * max(round_compute_s, 1e-9)))
         return max(self.k2_min, min(self.k2_max, k2))
+
+    def kvstore_push(self, workers: int) -> tuple[Op, float, int]:
+        """Parameters, which GeoMX's users push divided by ``kv.num_workers``: the local server
+        sums them into the datacenter's average, and every K2-th one goes global."""
+        return Op.AVG, 1.0 / workers, 0
 
     @classmethod
     def from_config(cls, cfg) -> HFA:

@@ -84,6 +84,8 @@ class MixedSync(Algorithm):
     follows_hyperparameters: ClassVar[bool] = True
     default_momentum: ClassVar[float] = 0.5  # the CLI's: asynchrony adds implicit momentum
     left_with: ClassVar[str] = "the round under way (every deposit made before it is applied)"
+    switch_flag: ClassVar[str | None] = "--mixed-sync"  # GeoMX's
+    kvstore_type: ClassVar[str | None] = "dist_async"
     dcasgd: bool = False  # delay-compensated SGD with the user's SGD learning rate
     dcasgd_lambda: float = 0.04
     dcasgd_adaptive: bool = False
