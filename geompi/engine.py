@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from typing import Any, NoReturn, cast
+from typing import NoReturn, cast
 
 import numpy as np
 import torch
@@ -149,7 +149,7 @@ class Synchronizer:
             if p.requires_grad:
                 self.hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
 
-    # ---- what the worker side holds, for the engine's callers (the CLI's loop) -------------
+    # ---- what the worker side holds ------------------------------------------------------
     @property
     def optimizer_state_on_servers(self) -> bool:
         """Whether the global servers hold the optimizer's state (WorkerSide's question)."""
@@ -159,26 +159,6 @@ class Synchronizer:
     def takes_scaler_state(self) -> bool:
         """Whether step() takes a GradScaler's state (WorkerSide's question)."""
         return self.side.takes_scaler_state
-
-    @property
-    def steps(self) -> int:
-        return self.side.steps
-
-    @property
-    def steps_at_global(self) -> int:
-        return self.side.steps_at_global
-
-    @property
-    def average_due(self) -> bool:
-        return self.side.average_due
-
-    @property
-    def cadence(self):
-        return self.side.cadence
-
-    def average_globally(self) -> None:
-        """HFA, right after a datacenter average: one more, global over every key."""
-        cast(Any, self.side).average_globally()
 
     # ---- keys and buffers -----------------------------------------------------------------
     @property

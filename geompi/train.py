@@ -84,20 +84,24 @@ class Worker:
         self.opt, self.engine = self._make_optimizer()
         self.buckets = self.engine.buckets
         self.client = self.engine.client  # this worker's link to its local server
-        self.local_opt = self.opt if algo.local_steps else None  # its state is per worker
+        # a torch optimizer's state is this worker's own (HFA's); the servers' stand-in has none
+        self.local_opt = self.opt if isinstance(self.opt, torch.optim.Optimizer) else None
         self.step = 0
         self.samples = 0
         self.samples_of_lost = 0  # --on-failure continue: samples the lost workers trained
         self.failures_seen = 0  # of the engine's failures, those counted and logged
         self.last_batch = 0  # the samples of this worker's last step
-        # Who agrees on stopping and checkpoints together: MixedSync's datacenters stay
-        # independent (datacenter 0 alone writes checkpoints); the other algorithms move as one.
         self._nan_at = _fault_nan_at(self.rank)
         self._kill_at = faults.fault_step("GEOMPI_FAULT_KILL_AT", self.rank)
         self._signal_at = _fault_signal_at(self.rank)
-        apart = algo.independent_dcs
-        self.group = comms.workers if apart else comms.all_workers
-        self.checkpoints = cfg.checkpoint_dir is not None and (not apart or self.dc == 0)
+        self.loss_fn = torch.nn.CrossEntropyLoss()
+        # Who agrees on stopping and checkpoints together: the workers that go through the
+        # same rounds (every worker; MixedSync: each datacenter's, which move apart). The
+        # master's group writes checkpoints.
+        self.group = self.engine.peers()
+        self.checkpoints = cfg.checkpoint_dir is not None and (
+            self.group is comms.all_workers or self.dc == topo.dc_of(0)
+        )
         self._prepare_checkpoints()
 
     def _prepare_checkpoints(self) -> None:
@@ -152,136 +156,129 @@ class Worker:
         return opt, engine
 
     # ---- the loop -------------------------------------------------------------------------
+    # What differs between algorithms (when the workers agree on a stop, which rounds are made
+    # global for a checkpoint, going back to the last global round, when the final model
+    # exists) the algorithm's worker side answers (geompi.sync.base.WorkerSide); the loop asks.
     def run(self, log: Metrics | None) -> dict:
-        from geompi.data import evaluate
-
         cfg = self.cfg
         self.data.check_same(self.comms.all_workers, self.master)
         self._resume()
         self.stats.reset_time()  # the time split covers the training loop (as wall_s does)
-        stop = StopRequest(self.group, worker_timeout(cfg.comm_timeout))  # as the client's
-
-        def rejoined(loss) -> None:  # after a recovery, wherever it met the loss
-            self.topo = loss.topo
-            self.group = self.comms.workers if self.algo.independent_dcs else self.comms.all_workers
-            stop.rejoin(self.group)
-            self.client = self.engine.client
-            self.ckpt.rejoin(loss)  # MixedSync: the lost workers leave the checkpoints' cut
-
-        self.engine.rejoined = rejoined
-        loss_fn = torch.nn.CrossEntropyLoss()
-        t_start = time.perf_counter()
-        progress = Progress(log, self, t_start)
-        compute_s = 0.0
-        stopping = preempted = False
-        saved_at = -1
-        mixed, hfa = self.algo.independent_dcs, self.algo.local_steps
-        # HFA checkpoints only on a global sync, so a resume is exact. It agrees on a stop at
-        # every datacenter round (K1 steps), so a signal is acted on within K1 steps, not
-        # K1*K2: a stop between global syncs rewinds the workers to the last one (each keeps
-        # its state from there) and checkpoints that. Every worker takes the same path, and
-        # no cross-datacenter round is added. Adaptive cadence (--adaptive-sync) and streaming
-        # have no fixed global rounds: the rounds they checkpoint at, and the last one, are
-        # made global (every key), so the run ends on the global model and each checkpoint
-        # holds one. Streaming's stop adds one such round instead of rewinding (it has no
-        # recent round with one global model to go back to).
-        forcing = hfa and self.algo.forces_global
-        streaming = hfa and self.algo.streaming
-        every = cfg.checkpoint_every if self.checkpoints else 0
-        multi = hfa and (self.algo.k2 > 1 or self.algo.adaptive) and not streaming
-        rewind = Rewind(self) if multi else None
-        forced_at = -1
+        self.stop = StopRequest(self.group, worker_timeout(cfg.comm_timeout))  # as the client's
+        self.engine.rejoined = self._rejoined
+        self.every = cfg.checkpoint_every if self.checkpoints else 0
+        side = self.engine.side
+        self.rewind = Rewind(self) if side.rewinds_to_global else None
+        self.stopping = self.preempted = False
+        self.saved_at = self.made_global_at = -1
         start_step = self.step
-        while self.step < self.total_steps:
-            t0 = time.perf_counter()
-            if self.step + 1 == self._kill_at:  # test hook: this worker is lost now
-                faults.kill_self(self.rank)
-            self.client.step = self.step + 1
-            x, y = self.loader.next_batch()
-            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-            n = len(y)
-            self.model.zero_grad(set_to_none=True)
-            self.engine.explicit_samples = n  # as opt.set_batch_size(n)
-            waited = self.stats.wait_s[LAN]
-            loss = loss_fn(self.model(x), y)
-            if self.step + 1 == self._nan_at:  # fault injection for tests (GEOMPI_FAULT_NAN_AT)
-                loss = loss * float("nan")
-            loss.backward()  # FSA, MixedSync: the round completes as backward ends
-            # compute: forward and backward, less the wait for the round at backward's end
-            dt = time.perf_counter() - t0 - (self.stats.wait_s[LAN] - waited)
-            # HFA agrees on a stop at its datacenter rounds, completed after the round (in
-            # step()), so it costs no wait
-            agreeing = hfa and self.engine.average_due
-            agreeing = agreeing and not stopping and self.step + 1 < self.total_steps
-            if agreeing:
-                stop.begin()
-            if forcing and (
-                self.step + 1 == self.total_steps or every and (self.step + 1) % every == 0
-            ):
-                self.engine.force_global_average()
-                forced_at = self.step + 1
-            syncs = self.engine.global_syncs
-            try:
-                self.engine.step(None, self.opt.step)  # as DistributedOptimizer.step()
-                if agreeing:
-                    stopping = stop.end()
-            except Exception as e:  # noqa: BLE001 - a lost rank, under --on-failure continue
-                self._survive(e, stop, log)
-            compute_s += dt
-            self.step += 1
-            self.samples += n
-            self.last_batch = n
-            self._note_failures(log, stop)  # FSA: survived inside backward
-            if self.step == self._signal_at:  # fault injection for tests (GEOMPI_FAULT_SIGNAL_AT)
-                os.kill(os.getpid(), signal.SIGTERM)
-            progress.step(loss)
-            # MixedSync's last checkpoint comes after finish(), once the final model exists
-            last = mixed and self.step == self.total_steps
-            if self.checkpoints and cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
-                if not last:
-                    self._save_surviving(log, stop)
-                    saved_at = self.step
-            if rewind and self.engine.global_syncs != syncs:  # a global average, this step
-                rewind.record()
-            # Agreeing on a stop is a collective over every worker (HFA's, above, at its
-            # datacenter rounds).
-            if not hfa and not stopping and self.step < self.total_steps:
-                try:
-                    stopping = stop.poll(self.step)
-                except Exception as e:  # noqa: BLE001 - a lost rank, under --on-failure continue
-                    self._survive(e, stop, log, redo=False)
-            if stopping:
-                preempted = self.step < self.total_steps
-                break
+        t_start = time.perf_counter()
+        self.progress = Progress(log, self, t_start)
+        compute_s = 0.0
+        while self.step < self.total_steps and not self.stopping:
+            compute_s += self._train_step(log)
         train_s = time.perf_counter() - t_start  # before waiting for other datacenters
+        out = self._finish(log, start_step)
+        out.update(compute_s=compute_s, wall_s=time.perf_counter() - t_start, train_s=train_s)
+        if self.master:
+            from geompi.data import evaluate
+
+            acc, tl = evaluate(self.model, self.ds.x_test, self.ds.y_test)
+            out.update(test_acc=acc, test_loss=tl)
+        return out
+
+    def _rejoined(self, loss) -> None:
+        """After a recovery, wherever it met the loss: the rebuilt topology and groups."""
+        self.topo = loss.topo
+        self.group = self.engine.peers()
+        self.stop.rejoin(self.group)
+        self.client = self.engine.client
+        self.ckpt.rejoin(loss)  # MixedSync: the lost workers leave the checkpoints' cut
+
+    def _train_step(self, log: Metrics | None) -> float:
+        """One step: forward, backward (FSA, MixedSync: the round completes as it ends), the
+        optimizer's step, then its record, checkpoints and the stop agreement. Returns the
+        compute seconds (forward and backward, less the wait for the round in backward)."""
+        side, stop = self.engine.side, self.stop
+        t0 = time.perf_counter()
+        if self.step + 1 == self._kill_at:  # test hook: this worker is lost now
+            faults.kill_self(self.rank)
+        self.client.step = self.step + 1
+        x, y = self.loader.next_batch()
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        n = len(y)
+        self.model.zero_grad(set_to_none=True)
+        self.engine.explicit_samples = n  # as opt.set_batch_size(n)
+        waited = self.stats.wait_s[LAN]
+        loss = self.loss_fn(self.model(x), y)
+        if self.step + 1 == self._nan_at:  # fault injection for tests (GEOMPI_FAULT_NAN_AT)
+            loss = loss * float("nan")
+        loss.backward()
+        dt = time.perf_counter() - t0 - (self.stats.wait_s[LAN] - waited)
+        in_round = side.stop_in_round()  # None: agreed after the step, below
+        agreeing = bool(in_round) and self.step + 1 < self.total_steps
+        if agreeing:
+            stop.begin()
+        last = self.step + 1 == self.total_steps
+        if (last or self.every and (self.step + 1) % self.every == 0) and side.make_global_next():
+            self.made_global_at = self.step + 1
+        syncs = self.engine.global_syncs
+        try:
+            self.engine.step(None, self.opt.step)  # as DistributedOptimizer.step()
+            if agreeing:
+                self.stopping = stop.end()
+        except Exception as e:  # noqa: BLE001 - a lost rank, under --on-failure continue
+            self._survive(e, log)
+        self.step += 1
+        self.samples += n
+        self.last_batch = n
+        self._note_failures(log)  # FSA: survived inside backward
+        if self.step == self._signal_at:  # fault injection for tests (GEOMPI_FAULT_SIGNAL_AT)
+            os.kill(os.getpid(), signal.SIGTERM)
+        self.progress.step(loss)
+        # the last checkpoint of a final model made at close() is written after it
+        at_close = side.final_model_at_close and self.step == self.total_steps
+        if self.every and self.step % self.every == 0 and not at_close:
+            self._save_surviving(log)
+            self.saved_at = self.step
+        if self.rewind and self.engine.global_syncs != syncs:  # a global average, this step
+            self.rewind.record()
+        if in_round is None and not self.stopping and self.step < self.total_steps:
+            try:
+                self.stopping = stop.poll(self.step)
+            except Exception as e:  # noqa: BLE001 - a lost rank, under --on-failure continue
+                self._survive(e, log, redo=False)
+        self.preempted = self.stopping and self.step < self.total_steps
+        return dt
+
+    def _finish(self, log: Metrics | None, start_step: int) -> dict:
+        """After the last step (or a stop): back to the last global round where the workers
+        are between two, the last checkpoint, every worker on the global model, close()."""
+        cfg, side, stop = self.cfg, self.engine.side, self.stop
         stop.close()
         stopped_at = self.step
-        if rewind and self.engine.steps_at_global != self.engine.steps:
-            rewind.restore()
-        if preempted and streaming and forced_at != self.step:
-            self.engine.average_globally()  # every worker: the global model, to checkpoint
-        nothing_new = preempted and self.step == start_step and stopped_at != self.step
-        if self.checkpoints and saved_at != self.step and not mixed and not nothing_new:
-            self._save_surviving(log, stop)
-        if not mixed:  # HFA: every worker on the global servers' model (a lossy codec's too)
-            self.engine.end_on_global()
-        if not mixed and cfg.wan_settings().compression != "none":
+        if self.rewind and side.steps_at_global != side.steps:
+            self.rewind.restore()
+        if self.preempted:
+            side.stopped_early(self.made_global_at == self.step)
+        at_close = side.final_model_at_close
+        nothing_new = self.preempted and self.step == start_step and stopped_at != self.step
+        if self.checkpoints and self.saved_at != self.step and not at_close and not nothing_new:
+            self._save_surviving(log)
+        self.engine.end_on_global()  # HFA: every worker on the global servers' model
+        if not at_close and cfg.wan_settings().compression != "none":
             self.ckpt.global_model()  # the model returned is the global one, not a replica
         while True:
             try:
                 self.engine.close(report=False)  # MixedSync: every worker gets the final model
                 break
             except Exception as e:  # noqa: BLE001 - a lost rank, under --on-failure continue
-                self._survive(e, stop, log)
-        if self.checkpoints and mixed:
+                self._survive(e, log)
+        if self.checkpoints and at_close:
             self._save(log, final=True)
-        wall = time.perf_counter() - t_start
         out = {
             "steps": self.step,
-            "compute_s": compute_s,
-            "wall_s": wall,
-            "train_s": train_s,
-            "preempted": preempted,
+            "preempted": self.preempted,
             "stopped_at": stopped_at,  # HFA: "steps" is the last global sync, if earlier
             "checkpointed": self.checkpoints and not nothing_new,
             "global_syncs": self.engine.global_syncs,
@@ -289,48 +286,42 @@ class Worker:
         }
         if self.engine.failures:
             out["failures"] = self.engine.failures
-        if self.engine.cadence is not None:  # --adaptive-sync: the K2 it ended with
-            out.update(k2=self.engine.cadence.k2, k2_changes=len(self.engine.cadence.changes))
-        if self.master:
-            acc, tl = evaluate(self.model, self.ds.x_test, self.ds.y_test)
-            out.update(test_acc=acc, test_loss=tl)
+        if side.cadence is not None:  # --adaptive-sync: the K2 it ended with
+            out.update(k2=side.cadence.k2, k2_changes=len(side.cadence.changes))
         return out
 
-    def _survive(
-        self, err: BaseException, stop: StopRequest, log: Metrics | None, redo: bool = True
-    ) -> None:
+    def _survive(self, err: BaseException, log: Metrics | None, redo: bool = True) -> None:
         """``--on-failure continue``: a rank was lost during this step's round (or, without
         ``redo``, its checkpoint); see Synchronizer.survive. Re-raises ``err`` where it is not
         a lost rank."""
-
         self.step = self.engine.survive(err, self.step, redo)
-        # HFA: here before this step's count; the lost workers trained as far as this one
-        self._note_failures(log, stop, self.samples if self.algo.local_steps else None)
+        self._note_failures(log)
 
-    def _note_failures(
-        self, log: Metrics | None, stop: StopRequest, trained: int | None = None
-    ) -> None:
+    def _note_failures(self, log: Metrics | None) -> None:
         """Each loss the engine survived since the last call: a metrics event, and the samples
-        the lost workers trained before it, which the summary counts (``trained``: each one's;
-        by default this worker's count up to the step before the loss). FSA: the workers next
-        agree on a stop after the first step trained without the lost ranks."""
+        the lost workers trained before it, which the summary counts (as the worker side
+        counts them). Where the workers agree on a stop after every step, they next agree
+        after the first step trained without the lost ranks."""
+        side = self.engine.side
         for failure in self.engine.failures[self.failures_seen :]:
             at = failure["step"]
-            done = trained
-            if done is None:
-                done = self.samples - (self.step - (at - 1)) * self.last_batch
+            done = side.trained_by_lost(self.samples, self.step, at, self.last_batch)
             self.samples_of_lost += failure["lost_workers"] * done
-            if not self.algo.local_steps:
-                stop.resume_at = at
+            if side.stop_in_round() is None:
+                self.stop.resume_at = at
             if log is not None:
                 log.record("failure", event="failure", **failure)
         self.failures_seen = len(self.engine.failures)
 
     def _resume(self) -> None:
-        """Restore the checkpoint (if any) everywhere, then the INIT round starts the servers."""
+        """Restore the checkpoint (if any) everywhere, then the INIT round starts the servers.
+        Where the datacenters train apart, each keeps its own progress: the checkpoints' cut
+        records where each worker starts, and the servers keep the final model's snapshot for
+        the checkpoint written after close()."""
         info = self.ckpt.distribute() if self.cfg.resume else None
         send = None
         extra = {}
+        apart = self.cfg.checkpoint_dir and self.group is not self.comms.all_workers
         if self.master:
             if info is not None:
                 from geompi.checkpointing import say_resumed
@@ -341,13 +332,13 @@ class Worker:
             if self.ckpt.server_states() is not None:
                 extra["restore"] = True
                 send = self.ckpt.send_server_states
-            if self.algo.independent_dcs and self.cfg.checkpoint_dir:
-                extra["final_snapshot"] = True  # for the checkpoint written after finish()
-        if self.algo.independent_dcs and self.cfg.checkpoint_dir:
+            if apart:
+                extra["final_snapshot"] = True  # for the checkpoint written after close()
+        if apart:
             self.ckpt.record_starts()
         self.engine.start(extra, send_restore=send)
 
-    def _save_surviving(self, log: Metrics | None, stop: StopRequest) -> None:
+    def _save_surviving(self, log: Metrics | None) -> None:
         """``_save``; where a rank is lost during it (``--on-failure continue``), the survivors
         recover and write it again, in the surviving topology. The round it cut off changed
         no model (a SAVE round), so nothing is redone."""
@@ -356,7 +347,7 @@ class Worker:
                 self._save(log)
                 return
             except Exception as e:  # noqa: BLE001 - a lost rank, under --on-failure continue
-                self._survive(e, stop, log, redo=False)
+                self._survive(e, log, redo=False)
 
     def _save(self, log: Metrics | None, final: bool = False) -> None:
         from geompi.data import evaluate
@@ -413,7 +404,7 @@ class Progress:
 
     def __init__(self, log: Metrics | None, worker: Worker, t_start: float) -> None:
         self.log, self.w, self.t_start = log, worker, t_start
-        self.cadence = worker.engine.cadence  # --adaptive-sync: a line per change of K2
+        self.cadence = worker.engine.side.cadence  # --adaptive-sync: a line per change of K2
         self.k2_written = 0
 
     def step(self, loss: torch.Tensor) -> None:

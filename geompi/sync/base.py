@@ -250,6 +250,39 @@ class WorkerSide:
     def rejoined(self) -> None:
         """After a recovery, over the rebuilt communicators."""
 
+    def trained_by_lost(self, samples: int, step: int, at: int, last_batch: int) -> int:
+        """The samples each worker lost at step ``at`` had trained, as this one counts them
+        (``samples`` after ``step`` steps of ``last_batch``): up to the step before the loss,
+        whose round the loss cut off."""
+        return samples - (step - (at - 1)) * last_batch
+
+    # ---- a training loop's stops, checkpoints and end (the CLI's; geompi.train) -------------
+    # Where the model a stop or a checkpoint keeps comes from: every round here is global, so
+    # a worker holds the global model after every step, and the workers agree on a stop after
+    # each one. A side whose global rounds are rarer (HFA's) answers otherwise.
+    # A stop between two global rounds goes back to the last one (the global servers still
+    # hold its model), rather than adding a round to reach the global model.
+    rewinds_to_global: bool = False
+    # The final model exists only once close() has run (MixedSync's, from the global servers):
+    # the last checkpoint is written after it.
+    final_model_at_close: bool = False
+
+    def stop_in_round(self) -> bool | None:
+        """How the workers agree on a stop: None after every step (a collective of its own),
+        else whether the coming step's own round carries the agreement (so it costs no wait,
+        and a stop is seen only there)."""
+        return None
+
+    def make_global_next(self) -> bool:
+        """A checkpoint or the end follows the coming step: make its round global (every
+        key), where global rounds do not fall on fixed steps. Returns whether one was made."""
+        return False
+
+    def stopped_early(self, made_global: bool) -> None:
+        """The loop stopped before its last step (a signal), with no point to go back to:
+        every worker onto the global model, for the checkpoint (``made_global``: the last
+        step's round already was a global one)."""
+
 
 @dataclass(frozen=True)
 class Algorithm:

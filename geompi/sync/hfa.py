@@ -397,6 +397,10 @@ class HFAWorker(WorkerSide):
         self.window_closes = False  # this backward completes a step
         self.average_due = False  # K1 steps done, the datacenter average not yet
         self.pushed_weight: float | None = None  # an average's weight, while under way
+        # A stop between two global averages goes back to the last one, where there is one to
+        # go back to: K2 > 1 (or adaptive) without streaming, whose fragments are global on
+        # staggered rounds (no recent round holds one global model).
+        self.rewinds_to_global = (algo.k2 > 1 or algo.adaptive) and not algo.streaming
 
     @property
     def holds_server_state(self) -> bool:
@@ -525,6 +529,30 @@ class HFAWorker(WorkerSide):
             if e.aux_len:
                 e.unpack_buffers(e.aux_send, 1.0 / self.pushed_weight)
             self.pushed_weight = None
+
+    def trained_by_lost(self, samples: int, step: int, at: int, last_batch: int) -> int:
+        """A loss is met at a datacenter average: the lost workers had trained as far as this
+        one (``samples``, counted before the step whose average it cut off)."""
+        return samples
+
+    def stop_in_round(self) -> bool | None:
+        """The workers agree on a stop at every datacenter average (K1 steps), completed with
+        it, so a signal is acted on within K1 steps, not K1*K2, at no added wait."""
+        return self.average_due
+
+    def make_global_next(self) -> bool:
+        """Adaptive cadence and streaming have no fixed global rounds: the rounds a checkpoint
+        or the end follows are made global (every key), so each holds one global model."""
+        if not self.algo.forces_global:
+            return False
+        self.force_global()
+        return True
+
+    def stopped_early(self, made_global: bool) -> None:
+        """Streaming stopped by a signal: one more global round of every key (it has no
+        recent round with one global model to go back to)."""
+        if self.algo.streaming and not made_global:
+            self.average_globally()
 
     def average_globally(self) -> None:
         """Right after a datacenter average: one more, global over every key, so every worker

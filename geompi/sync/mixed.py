@@ -32,6 +32,7 @@ class MixedWorker(FSAServersWorker):
     in the STOP round."""
 
     where = "MixedSync"
+    final_model_at_close = True  # the STOP round brings the final global model
 
     def sends_spec(self) -> bool:
         return self.e.master or self.e.dc_first
