@@ -51,6 +51,7 @@ class HFA(Algorithm):
 
     name: ClassVar[str] = "hfa"
     local_steps: ClassVar[bool] = True
+    worker_state_section: ClassVar[str | None] = "hfa/local"  # each worker's own optimizer's
     k1: int = 4  # the one default of K1 and K2: the CLI's and the Slurm script's too
     k2: int = K2_DEFAULT
     weighting: str = "samples"  # or "uniform": every datacenter the same (GeoMX's)
@@ -101,6 +102,11 @@ class HFA(Algorithm):
         ):  # back from JSON
             kw = {**self.outer_kwargs, "betas": tuple(self.outer_kwargs["betas"])}
             object.__setattr__(self, "outer_kwargs", kw)
+
+    def checkpoint_copies(self, optimizer_states: int, workers: int) -> int:
+        """Each worker's own optimizer state, and the outer optimizer's on the global servers
+        (at most two model-sized tensors: Adam's moments)."""
+        return super().checkpoint_copies(optimizer_states, workers) + 2
 
     def outer(self) -> dict:
         """The outer optimizer's spec, as the global servers get it."""
