@@ -62,21 +62,19 @@ class HeldState:
         """Master worker, after a SAVE round (or MixedSync's end): every global server's
         snapshot, in shard order."""
         w = self.w
-        return sorted(
-            (
-                # MixedSync's last snapshot comes once the slowest datacenter is done
-                recv_state(
-                    w.comms.world,
-                    gs,
-                    TAG_SNAPSHOT,
-                    w.client.link.stats,
-                    live_timeout(w.client.timeout),
-                    f"the snapshot of global server {gs}",
-                )  # fmt: skip
-                for gs in w.topo.global_servers
-            ),
-            key=lambda s: s["index"],
-        )
+        snaps = []
+        for gs in w.topo.global_servers:  # MixedSync's last comes once the slowest DC is done
+            snap = recv_state(
+                w.comms.world,
+                gs,
+                TAG_SNAPSHOT,
+                w.client.link.stats,
+                live_timeout(w.client.timeout),
+                f"the snapshot of global server {gs}",
+            )
+            assert isinstance(snap, dict)  # a state message is a dict (geompi.comm.messages)
+            snaps.append(snap)
+        return sorted(snaps, key=lambda s: s["index"])
 
     def assemble(self, snaps: list[dict]) -> tuple[dict, dict, dict]:
         """Full per-name tensors from the shards of every global server: the model, the
@@ -94,7 +92,8 @@ class HeldState:
         optimizer: dict[str, dict[str, torch.Tensor]] = {}
         algorithm: dict = {}
         for state_name in sorted({n for s in snaps for st in s["state"].values() for n in st}):
-            per_key, per_param = {}, {}
+            per_key: dict[int, torch.Tensor] = {}
+            per_param: dict[str, list] = {}
             for k in keys:
                 parts = [s["state"].get(k, {}).get(state_name) for s in snaps]
                 if all(p is None for p in parts):
@@ -222,7 +221,9 @@ class HeldState:
         such as Adam's ``step`` differ between parameters that skipped different steps)."""
         parts = [named.get(m.name) for m in bucket.members]
         if all(p is not None and p.dim() > 0 for p in parts):
-            return cls._flat(bucket, named)[lo:hi].clone()
+            flat = cls._flat(bucket, named)
+            assert flat is not None  # every member has it
+            return flat[lo:hi].clone()
         out = {}
         for m, t in zip(bucket.members, parts):
             a, b = max(lo, m.offset), min(hi, m.offset + m.numel)
@@ -234,12 +235,13 @@ class HeldState:
     @staticmethod
     def _flat(bucket, named: dict[str, torch.Tensor]) -> torch.Tensor | None:
         parts = [named.get(m.name) for m in bucket.members]
-        if any(p is None for p in parts):
+        present = [p for p in parts if p is not None]
+        if len(present) < len(parts):
             return None
-        if parts[0].dim() == 0:
-            return parts[0].clone()
+        if present[0].dim() == 0:
+            return present[0].clone()
         flat = torch.empty(bucket.numel)
-        for m, t in zip(bucket.members, parts):
+        for m, t in zip(bucket.members, present):
             flat[m.offset : m.offset + m.numel] = m.values(t)
         return flat
 
