@@ -12,7 +12,7 @@ from geompi import ckpt
 from geompi.checkpointing import check_resumable
 from geompi.config import make_config
 from geompi.errors import CheckpointError
-from geompi.sync import HFA
+from geompi.sync import FSA, HFA, Algorithm, MixedSync
 
 SHAPES = {"w": torch.Size([3, 2]), "b": torch.Size([3])}
 
@@ -285,3 +285,18 @@ def test_each_workers_state_is_read_where_its_algorithm_keeps_it(tmp_path):
         _check(file({"worker0": {"momentum_buffer": {"w": torch.ones(3, 2)}}, "worker1": 1}),
                *cfg_flags)  # fmt: skip
     assert "/algorithm/elsewhere/workers/worker1 is not a group" in one_line(exc)
+
+
+def test_an_algorithm_whose_workers_step_locally_has_a_section_for_their_state():
+    """A local-steps algorithm that names no section gets its own (no checkpoint of its
+    workers' state fails for want of one); HFA's variants share HFA's, as the files hold."""
+
+    @dataclass(frozen=True)
+    class Own(Algorithm):
+        name: ClassVar[str] = "own-local"
+        local_steps: ClassVar[bool] = True
+
+    assert Own.worker_state_section == "own-local/local"
+    assert LocalElsewhere.worker_state_section == "elsewhere/workers"
+    assert type("MyHFA", (HFA,), {"name": "my-hfa"}).worker_state_section == "hfa/local"
+    assert MixedSync.worker_state_section is None and FSA.worker_state_section is None

@@ -258,8 +258,14 @@ class Algorithm:
     # Its checkpoint sections: where a checkpoint keeps each worker's own optimizer state, a
     # path under /algorithm whose group holds ``worker<i>/<state>/<param>`` (HFA's
     # "hfa/local"), for an algorithm whose workers keep the optimizer's state; None where the
-    # global servers hold it (under /optimizer, named by /optimizer@name).
+    # global servers hold it (under /optimizer, named by /optimizer@name). A class with
+    # local_steps that names none gets "<name>/local".
     worker_state_section: ClassVar[str | None] = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.local_steps and cls.worker_state_section is None:
+            cls.worker_state_section = f"{cls.name}/local"
 
     @property
     def on_servers(self) -> bool:
