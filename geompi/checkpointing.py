@@ -20,37 +20,32 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import re
 import tempfile
 from collections import defaultdict
-from types import SimpleNamespace
 
-import numpy as np
 import torch
 
 from geompi import ckpt
 from geompi.comm import faults
-from geompi.comm.buffers import all_finite
 from geompi.comm.compression import make_compressor
-from geompi.comm.transport import (
-    barrier,
-    barrier_before_collective,
-    isend_state,
-    live_timeout,
-    recv_state,
-)
-from geompi.errors import (
-    CheckpointError,
-    CheckpointMismatchError,
-    CheckpointWriteError,
-    ConfigError,
-)
-from geompi.ps.protocol import TAG_RESTORE, TAG_SNAPSHOT, Op
+from geompi.comm.transport import barrier, barrier_before_collective
+from geompi.errors import CheckpointError, CheckpointMismatchError, CheckpointWriteError
+from geompi.held_state import HeldState
+from geompi.ps.protocol import Op
+from geompi.resume_checks import check_resumable, expected_state_names
 from geompi.runtime import say
 from geompi.session import fail_together
-from geompi.sync.hfa import OUTER_STATE
 
-_BACKUP = re.compile(r"^backup_dc(\d+)$")
+__all__ = [  # check_resumable and expected_state_names live in geompi.resume_checks
+    "Checkpointing",
+    "HeldState",
+    "check_resumable",
+    "check_writable",
+    "checkpoint_bytes",
+    "expected_state_names",
+    "resolve_resume",
+    "say_resumed",
+]
 
 
 def check_writable(directory: str, need_bytes: int = 0) -> None:
@@ -92,12 +87,9 @@ def checkpoint_bytes(model: torch.nn.Module, cfg, num_workers: int, num_dcs: int
     tensors = list(model.state_dict().values())
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     states = len(expected_state_names(cfg) - {"step"})
-    local = cfg.algorithm.local_steps  # HFA: every worker's own optimizer state
-    copies = 1 + states * (num_workers if local else 1)
+    copies = 1 + cfg.algorithm.checkpoint_copies(states, num_workers)  # the model's + the state's
     if cfg.optimizer == "dcasgd":
         copies += num_dcs
-    if local:
-        copies += 2  # the outer optimizer's state (Adam's two moments)
     datasets = len(tensors) * (1 + copies)
     rng = torch.get_rng_state().numel() * num_workers
     return int(1.05 * nbytes * copies) + 1024 * datasets + rng + 256 * 1024
@@ -115,301 +107,12 @@ def resolve_resume(resume: str | None, directory: str | None) -> pathlib.Path | 
     return path
 
 
-def expected_state_names(cfg) -> set[str]:
-    """The per-parameter state names ``cfg``'s optimizer keeps after one step (empty for
-    plain SGD; None-valued entries, such as SGD's buffer without momentum, do not count)."""
-    from geompi.ps.optim import ServerTorchStep, make_spec
-
-    if cfg.optimizer == "dcasgd":
-        return set()  # its per-datacenter backups live under /algorithm
-    spec = make_spec(
-        cfg.optimizer, cfg.effective_lr, cfg.effective_momentum, cfg.weight_decay, cfg.nesterov
-    )
-    p = torch.nn.Parameter(torch.zeros(1))
-    opt = ServerTorchStep(spec, [p])
-    p.grad = torch.ones(1)
-    opt.step()
-    return {k for k, v in opt.state[p].items() if v is not None}
-
-
-def _is_int(v) -> bool:
-    return not isinstance(v, bool) and isinstance(v, (int, np.integer))
-
-
-_INDEX_TYPES = (torch.int32, torch.int64)  # what /progress positions and steps are written as
-
-
-def _check_datacenter_steps(bad, steps: list[int], step: int, dc_sizes: list[int]) -> None:
-    """MixedSync: each datacenter is at its own step, the same for all of its workers, and
-    datacenter 0 (the master's) at the checkpoint's. Refuses any other /progress/steps."""
-    per_dc = [size - 1 for size in dc_sizes]  # a datacenter's ranks: its workers + 1 server
-    if sum(per_dc) != len(steps):
-        bad(
-            f"/progress/steps has {len(steps)} workers but the topology attribute's "
-            f"datacenters {dc_sizes} hold {sum(per_dc)}"
-        )
-    first = 0
-    for dc, n in enumerate(per_dc):
-        mine = steps[first : first + n]
-        first += n
-        if len(set(mine)) > 1 or (dc == 0 and mine and mine[0] != step):
-            at = f"the checkpoint's step {step}" if dc == 0 else "one step"
-            bad(f"/progress/steps of datacenter {dc} are {mine}, but its workers are all at {at}")
-
-
-def check_resumable(
-    path, ck: ckpt.Checkpoint, cfg, shapes: dict[str, torch.Size], num_workers: int
-) -> str:
-    """Refuse, before training, a checkpoint that verifies but would not resume this run.
-
-    Checks the optimizer's name and state names, every state tensor's shape against its
-    parameter, /progress, the step and the types of the attributes. Returns a note for a
-    resume onto another worker count ('' otherwise).
-    """
-    check = _Resumable(path, ck, cfg, shapes)
-    topo = check.attributes()
-    local = check.optimizer_state()
-    old_workers = check.progress(topo, local)
-    if old_workers == num_workers:
-        return ""
-    return (
-        f" ({old_workers} workers -> {num_workers}: every worker continues from worker 0's data "
-        "position and RNG state"
-        + (", HFA local optimizer states start fresh" if local else "")
-        + ")"
-    )
-
-
-class _Resumable:
-    """check_resumable's sections, each refusing in one line (``bad``)."""
-
-    def __init__(self, path, ck: ckpt.Checkpoint, cfg, shapes: dict[str, torch.Size]) -> None:
-        self.path, self.ck, self.cfg, self.shapes = path, ck, cfg, shapes
-
-    def bad(self, what: str, fix: str = "resume from a checkpoint written by this geompi") -> None:
-        raise CheckpointError(f"checkpoint {self.path}: {what}: {fix}")
-
-    def group(self, value, what: str) -> dict:
-        """``value`` if it is a group (a dict), else refused: a file that verifies may still
-        hold an attribute or a tensor where geompi writes a group."""
-        if not isinstance(value, dict):
-            self.bad(f"{what} is {_shape_of(value)}, not a group")
-        return value
-
-    def attributes(self) -> dict:
-        """The step, topology, config and model attributes; returns the topology."""
-        ck, cfg, bad = self.ck, self.cfg, self.bad
-        if ck.step < 0 or ck.epoch < 0:
-            bad(f"negative step {ck.step} or epoch {ck.epoch}")
-        topo = ck.attrs.get("topology")
-        if not isinstance(topo, dict) or not all(
-            isinstance(topo.get(k), list) and topo[k] and all(_is_int(x) and x > 0 for x in topo[k])
-            for k in ("dc_sizes",)
-        ):
-            bad(f"attribute topology is {topo!r}, not a topology")
-        config = ck.attrs.get("config")
-        if not isinstance(config, dict):
-            bad(f"attribute config is {type(config).__name__}, not a JSON object")
-        wan = config.get("wan_compression", "none")
-        try:
-            make_compressor(wan if isinstance(wan, str) else "?")
-        except ConfigError:
-            bad(f"/config wan_compression is {wan!r}, not a WAN codec")
-        # The model: its parameter names and shapes are the fingerprint, checked on reading; the
-        # --model name or pkg.module:factory spec (in /config) tells apart models that share them.
-        written_model = config.get("model")
-        if isinstance(written_model, str) and written_model != cfg.model:
-            bad(
-                f"it was written by --model {written_model} but this run uses --model {cfg.model}",
-                f"resume with --model {written_model}, or start a new --checkpoint-dir",
-            )
-        strategy = ck.algorithm.get("strategy", {})
-        if not isinstance(strategy, dict) or not all(_is_int(v) for v in strategy.values()):
-            bad("/algorithm/strategy holds non-integer counters")
-        if not _is_int(ck.algorithm.get("global_updates", 0)):
-            bad("/algorithm@global_updates is not an integer")
-
-        for name in self.shapes:  # parameters only: a persistent buffer may hold -inf (a mask)
-            t = ck.model.get(name)
-            if isinstance(t, torch.Tensor) and t.is_floating_point():
-                _check_finite(bad, f"parameter {name} in /model", t)
-        return topo
-
-    def optimizer_state(self) -> dict:
-        """The optimizer's name and the state each parameter needs; returns HFA's per-worker
-        local states (empty under the other algorithms)."""
-        ck, cfg, bad, group, shapes = self.ck, self.cfg, self.bad, self.group, self.shapes
-        config = ck.attrs["config"]
-        # The optimizer: its name, then the state each parameter needs (a missing exp_avg is a
-        # KeyError at the first update, hours after the start).
-        hfa = group(ck.algorithm.get("hfa", {}), "/algorithm/hfa")
-        local = group(hfa.get("local", {}), "/algorithm/hfa/local")
-        if cfg.algorithm.local_steps:
-            written = config.get("optimizer") if local else None
-            states = {}
-            for worker, st in local.items():
-                if not isinstance(st, dict):
-                    bad(f"/algorithm/hfa/local/{worker} is not a group")
-                states.update({f"hfa/local/{worker}/{k}": v for k, v in st.items()})
-        else:
-            written = ck.optimizer_attrs.get("name")
-            states = dict(ck.optimizer)
-        if written is not None and written != cfg.optimizer:
-            bad(
-                f"it holds {written} optimizer state but this run uses --optimizer {cfg.optimizer}",
-                f"resume with --optimizer {written}, or start a new --checkpoint-dir",
-            )
-        per_param: dict[tuple[str, str], set[str]] = defaultdict(set)  # (worker, param) -> names
-        for state_path, named in states.items():
-            if not isinstance(named, dict):
-                bad(f"optimizer state {state_path} is not a group of tensors")
-            owner, _, state_name = state_path.rpartition("/")
-            for name, t in named.items():
-                per_param[(owner, name)].add(state_name)
-                # a 0-d tensor only where torch keeps one number (Adam's step), never a buffer
-                _check_tensor(
-                    bad,
-                    f"optimizer state {state_path}/{name}",
-                    name,
-                    t,
-                    shapes,
-                    state_name == "step",
-                )
-        want = expected_state_names(cfg)
-        for (_, name), have in sorted(per_param.items()):
-            missing = want - have
-            if missing:
-                bad(
-                    f"parameter {name} lacks optimizer state {', '.join(sorted(missing))} that "
-                    f"--optimizer {cfg.optimizer} needs",
-                    "resume with the checkpoint's --optimizer and momentum, or start a new "
-                    "--checkpoint-dir",
-                )
-        dcasgd = group(ck.algorithm.get("dcasgd", {}), "/algorithm/dcasgd")
-        for dc, named in group(dcasgd.get("backup", {}), "/algorithm/dcasgd/backup").items():
-            for name, t in group(named, f"/algorithm/dcasgd/backup/{dc}").items():
-                _check_tensor(bad, f"DCASGD backup {dc}/{name}", name, t, shapes, scalar=False)
-        _check_outer(bad, group, cfg, hfa, shapes)
-        return local
-
-    def progress(self, topo: dict, local: dict) -> int:
-        """/progress; returns the old run's worker count."""
-        ck, cfg, bad = self.ck, self.cfg, self.bad
-        # /progress: one (epoch, position) row, step and RNG state per worker of the old run.
-        pr = ck.progress
-        pos = pr.get("data_positions")
-        if not isinstance(pos, torch.Tensor) or pos.dim() != 2 or pos.shape[1] != 2 or not len(pos):
-            bad(
-                f"/progress/data_positions is {_shape_of(pos)}, not one (epoch, position) per "
-                "worker"
-            )
-        if pos.dtype not in _INDEX_TYPES or bool((pos < 0).any()):
-            bad("/progress/data_positions holds negative or non-integer positions")
-        old_workers = len(pos)
-        steps = pr.get("steps")
-        if steps is not None and (
-            not isinstance(steps, torch.Tensor)
-            or steps.shape != (old_workers,)
-            or steps.dtype not in _INDEX_TYPES
-            or bool((steps < 0).any())
-        ):
-            bad(f"/progress/steps is {_shape_of(steps)}, not one step per worker ({old_workers})")
-        if (
-            steps is not None
-            and not cfg.algorithm.independent_dcs
-            and bool((steps != ck.step).any())
-        ):
-            bad(
-                f"/progress/steps is {steps.tolist()}, but every worker of --sync {cfg.sync} is at "
-                f"the checkpoint's step {ck.step}"
-            )
-        if steps is not None and cfg.algorithm.independent_dcs:
-            _check_datacenter_steps(bad, steps.tolist(), ck.step, topo["dc_sizes"])
-        rng_len = torch.get_rng_state().numel()
-        rng = pr.get("rng", {})
-        if not isinstance(rng, dict):
-            bad("/progress/rng is not a group")
-        for k, t in rng.items():
-            if not (
-                isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.shape == (rng_len,)
-            ):
-                bad(f"/progress/rng/{k} is {_shape_of(t)}, not a torch CPU RNG state")
-            now = torch.get_rng_state()
-            try:  # torch refuses an invalid state only when it is set: try it here
-                torch.set_rng_state(t)
-            except RuntimeError:
-                bad(f"/progress/rng/{k} is not a valid torch CPU RNG state")
-            finally:
-                torch.set_rng_state(now)
-        if local and len(local) != old_workers:
-            bad(f"{len(local)} HFA local optimizer states but {old_workers} workers in /progress")
-        return old_workers
-
-
-def _shape_of(t) -> str:
-    if isinstance(t, torch.Tensor):
-        return f"a {t.dtype} tensor of shape {tuple(t.shape)}"
-    return "missing" if t is None else type(t).__name__
-
-
-def _check_outer(bad, group, cfg, hfa: dict, shapes) -> None:
-    """HFA's outer optimizer state: whole tensors per parameter (Adam's step 0-d), of the
-    states this run's outer optimizer keeps."""
-    have = {n for n in OUTER_STATE.values() if n in hfa}
-    for state_name in sorted(have):
-        named = group(hfa[state_name], f"/algorithm/hfa/{state_name}")
-        for name, t in named.items():
-            scalar = state_name == "outer_step"
-            _check_tensor(bad, f"HFA {state_name} {name}", name, t, shapes, scalar=scalar)
-            if scalar and t.dim() != 0:
-                bad(f"HFA {state_name} {name} is {_shape_of(t)}, not one number")
-    algo = cfg.algorithm
-    if have and hasattr(algo, "outer"):
-        from geompi.sync.hfa import outer_state_names
-
-        want = outer_state_names(algo.outer())
-        if have != want:
-            bad(
-                f"it holds an outer optimizer's {', '.join(sorted(have))} but this run's "
-                f"--outer-optimizer {algo.outer_optimizer} keeps "
-                f"{', '.join(sorted(want)) or 'none'}",
-                "resume with the checkpoint's --outer-optimizer (and momentum), or start a new "
-                "--checkpoint-dir",
-            )
-
-
-def _check_tensor(bad, what: str, name: str, t, shapes, scalar: bool = True) -> None:
-    if name not in shapes:
-        bad(f"{what} belongs to no parameter of this model")
-    if not isinstance(t, torch.Tensor):
-        bad(f"{what} is {_shape_of(t)}, not a tensor")
-    if t.dim() == 0 and scalar:
-        return
-    if t.shape != shapes[name] or not t.is_floating_point():
-        bad(
-            f"{what} is {_shape_of(t)} but the parameter is {tuple(shapes[name])}",
-            "the file is damaged or was edited; resume from an earlier checkpoint",
-        )
-    _check_finite(bad, what, t)
-
-
-def _check_finite(bad, what: str, t: torch.Tensor) -> None:
-    """NaN or Inf in a parameter or its state: the run would stop at its first non-finite
-    gradient, blaming the learning rate, instead of naming the file."""
-    if not all_finite(t):
-        bad(
-            f"{what} holds NaN or Inf",
-            "the run had diverged when it was written, or the file was edited; resume from an "
-            "earlier checkpoint",
-        )
-
-
 class Checkpointing:
     """A worker's part in saving and restoring. Collective over all workers (and servers)."""
 
     def __init__(self, worker) -> None:
         self.w = worker
-        self.names = worker.buckets.named_slices()  # name -> (shape, its pieces in the keys)
+        self.held = HeldState(worker)  # the global servers' state: by name, and back
         self.loaded: ckpt.Checkpoint | None = None
         self.restore_note = ""
         self.worker_note = ""  # master: what a resume onto another worker count does
@@ -420,22 +123,12 @@ class Checkpointing:
         self.failed_step = -1  # master: the step whose checkpoint could not be written
         self.written: list[pathlib.Path] = []  # master: this run's files, newest first
 
-    @classmethod
-    def for_engine(cls, engine) -> Checkpointing:
+    @staticmethod
+    def for_engine(engine) -> HeldState:
         """The server-held half of checkpointing for the public API's optimizer (snapshots
-        from the global servers, their state re-sliced for a restore): the CLI's own code."""
-        view = SimpleNamespace(
-            comms=engine.s.comms, topo=engine.s.topo, client=engine.client, buckets=engine.buckets
-        )
-        return cls(view)
-
-    def held_state(self) -> dict:
-        """Master worker, after a SAVE round: the global servers' state by parameter name,
-        ``{"model": ..., "optimizer": ..., "algorithm": ...}`` as a checkpoint holds it."""
-        snaps = self._receive_snapshots()
-        model, optimizer, algorithm = self._assemble(snaps)
-        algorithm["global_updates"] = int(snaps[0]["updates"])
-        return {"model": model, "optimizer": optimizer, "algorithm": algorithm}
+        from the global servers, their state re-sliced for a restore):
+        ``HeldState.for_engine``, under the name its callers knew."""
+        return HeldState.for_engine(engine)
 
     def load_resume(self, resume: str | None, directory: str | None) -> pathlib.Path | None:
         """Master, at start-up: load what ``--resume`` names and return its path.
@@ -535,7 +228,7 @@ class Checkpointing:
             reqs.wait()
         snaps = []
         if w.master:  # before the gather: in MixedSync, other datacenters still need the servers
-            snaps = self._receive_snapshots()
+            snaps = self.held.receive_snapshots()
         mine = {
             "loader": w.loader.state_dict(),
             "rng": torch.get_rng_state(),
@@ -548,15 +241,13 @@ class Checkpointing:
         self.saved_step = step
         if not w.master:
             return None
-        model, optimizer, algorithm = self._assemble(snaps)
+        model, optimizer, algorithm = self.held.assemble(snaps)
         self.saved_model = model
         algorithm["strategy"] = {k: int(v) for k, v in w.engine.state().items()}
         algorithm["global_updates"] = int(snaps[0]["updates"])
-        if any(m["local"] for m in everyone):
-            algorithm["hfa"] = {
-                **algorithm.get("hfa", {}),
-                "local": {f"worker{i}": m["local"] for i, m in enumerate(everyone)},
-            }
+        if any(m["local"] for m in everyone):  # each worker's own optimizer state
+            per_worker_state = {f"worker{i}": m["local"] for i, m in enumerate(everyone)}
+            _put(algorithm, w.cfg.algorithm.worker_state_section, per_worker_state)
         per_worker = [
             (m["loader"]["epoch"], m["loader"]["position"], step, m["rng"]) for m in everyone
         ]
@@ -587,11 +278,13 @@ class Checkpointing:
 
     def _write(self, path, step, model, optimizer, algorithm, progress, metrics) -> None:
         w, cfg = self.w, self.w.cfg
+        workers_keep = cfg.algorithm.worker_state_section is not None
         ckpt.save(
             path,
             model=model,
             optimizer=optimizer,
-            optimizer_attrs={"name": "none" if cfg.algorithm.local_steps else cfg.optimizer},
+            # /optimizer holds the global servers' state: none where the workers keep it
+            optimizer_attrs={"name": "none" if workers_keep else cfg.optimizer},
             algorithm=algorithm,
             progress=progress,
             step=step,
@@ -600,24 +293,6 @@ class Checkpointing:
             topology=w.topo.describe(),
             config=json.loads(cfg.to_json()),
             metrics=metrics,
-        )
-
-    def _receive_snapshots(self) -> list[dict]:
-        w = self.w
-        return sorted(
-            (
-                # MixedSync's last snapshot comes once the slowest datacenter is done
-                recv_state(
-                    w.comms.world,
-                    gs,
-                    TAG_SNAPSHOT,
-                    w.client.link.stats,
-                    live_timeout(w.client.timeout),
-                    f"the snapshot of global server {gs}",
-                )  # fmt: skip
-                for gs in w.topo.global_servers
-            ),
-            key=lambda s: s["index"],
         )
 
     def _progress_at(self, cut: list[int], step: int, dc0: list[dict]) -> list[tuple]:
@@ -651,7 +326,7 @@ class Checkpointing:
             reqs = w.client.start(Op.SAVE, [])
             reqs.wait()
             if w.master:
-                model = self._assemble(self._receive_snapshots())[0]
+                model = self.held.assemble(self.held.receive_snapshots())[0]
         if w.master:
             with torch.no_grad():
                 for name, p in w.model.named_parameters():
@@ -668,92 +343,6 @@ class Checkpointing:
             for k, v in st.items():
                 out[k][names[id(p)]] = torch.as_tensor(v).detach().cpu().clone()
         return dict(out)
-
-    def _assemble(self, snaps: list[dict]):
-        """Full per-name tensors from the shards of every global server."""
-        versions = {(tuple(s.get("cut", ())), s["updates"]) for s in snaps}
-        if len(versions) > 1:
-            raise CheckpointError(
-                "the global servers' snapshots are of different versions (deposits per "
-                f"datacenter, updates: {sorted(versions)}): this is a geompi bug; resume from an "
-                "earlier checkpoint and report it"
-            )
-        keys = sorted(snaps[0]["values"])
-        flat = {k: torch.cat([s["values"][k] for s in snaps]) for k in keys}
-        model = self._by_name(flat)
-        optimizer: dict[str, dict[str, torch.Tensor]] = {}
-        algorithm: dict = {}
-        for state_name in sorted({n for s in snaps for st in s["state"].values() for n in st}):
-            per_key, per_param = {}, {}
-            for k in keys:
-                parts = [s["state"].get(k, {}).get(state_name) for s in snaps]
-                if all(p is None for p in parts):
-                    continue
-                present = [p for p in parts if p is not None]
-                if isinstance(present[0], dict):  # {param name: this shard's piece}
-                    self._join_pieces(k, present, per_param)
-                    continue
-                if any(p is None for p in parts) or (
-                    parts[0].dim() == 0 and any(not torch.equal(p, parts[0]) for p in parts)
-                ):
-                    raise CheckpointError(
-                        f"optimizer state {state_name} of key {k} differs between the global "
-                        "servers' snapshots: this is a geompi bug; resume from an earlier "
-                        "checkpoint and report it"
-                    )
-                per_key[k] = parts[0] if parts[0].dim() == 0 else torch.cat(parts)
-            named = {**self._by_name(per_key), **self._joined(per_param)}
-            m = _BACKUP.match(state_name)
-            if m:
-                backups = algorithm.setdefault("dcasgd", {}).setdefault("backup", {})
-                backups[f"dc{m.group(1)}"] = named
-            else:
-                optimizer[state_name] = named
-        for state_name in sorted({n for s in snaps for st in s["outer"].values() for n in st}):
-            outer = {}  # HFA's outer optimizer: its state over each key, per shard
-            for k in keys:
-                parts = [s["outer"].get(k, {}).get(state_name) for s in snaps]
-                if all(p is not None for p in parts):  # a 0-d step: the same on every shard
-                    outer[k] = parts[0] if parts[0].dim() == 0 else torch.cat(parts)
-            if outer:
-                algorithm.setdefault("hfa", {})[state_name] = self._by_name(outer)
-        return model, optimizer, algorithm
-
-    def _join_pieces(self, key: int, parts: list[dict], into: dict[str, list]) -> None:
-        """Collect, per parameter of ``key`` that has this state, its pieces from the shards
-        in order into ``into`` (a parameter torch never stepped has none, and stays absent;
-        one cut across keys gets its pieces from each, in key order)."""
-        for name, (_, pieces) in self.names.items():
-            if any(k == key for k, *_ in pieces):
-                into.setdefault(name, []).extend(p[name] for p in parts if name in p)
-
-    def _joined(self, into: dict[str, list]) -> dict[str, torch.Tensor]:
-        """The pieces collected by ``_join_pieces``, joined into whole parameters."""
-        out = {}
-        for name, pieces in into.items():
-            if not pieces:
-                continue
-            if pieces[0].dim() == 0:
-                out[name] = pieces[0].clone()
-            else:
-                shape = self.names[name][0]
-                out[name] = torch.cat([t.reshape(-1) for t in pieces]).reshape(shape).clone()
-        return out
-
-    def _by_name(self, per_key: dict[int, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Whole parameters from flat per-key tensors (a 0-d tensor: one value for a key's
-        every parameter); a parameter is left out unless each of its keys is there."""
-        out = {}
-        for name, (shape, pieces) in self.names.items():
-            if not all(k in per_key for k, *_ in pieces):
-                continue
-            first = per_key[pieces[0][0]]
-            if first.dim() == 0:
-                out[name] = first.clone()
-            else:
-                parts = [per_key[k][off : off + n] for k, off, _, n in pieces]
-                out[name] = torch.cat(parts).reshape(shape).clone()
-        return out
 
     # ---- restoring ------------------------------------------------------------------------
     def load(self, path: pathlib.Path, ck: ckpt.Checkpoint | None = None) -> None:
@@ -799,7 +388,7 @@ class Checkpointing:
         if w.master and ck is not None:
             positions = ck.progress["data_positions"].tolist()
             rng = ck.progress.get("rng", {})
-            local = ck.algorithm.get("hfa", {}).get("local", {})
+            local = _get(ck.algorithm, w.cfg.algorithm.worker_state_section)
             n = w.topo.num_workers
             same = len(positions) == n
             own = [
@@ -876,95 +465,35 @@ class Checkpointing:
         ck = self.loaded
         if ck is None:
             return None
-        return self.shard_states(ck.optimizer, ck.algorithm, ck.model)
-
-    def shard_states(
-        self, optimizer: dict, algorithm: dict, model: dict[str, torch.Tensor]
-    ) -> list[dict] | None:
-        """Per global server: its slice of ``optimizer`` (state name -> parameter name ->
-        tensor) and of ``algorithm``'s outer momentum, DCASGD backups and update counter, as
-        a checkpoint holds them; None if there is none of these."""
-        if not (
-            optimizer
-            or algorithm.get("dcasgd")
-            or any(n in algorithm.get("hfa", {}) for n in OUTER_STATE.values())
-            or algorithm.get("global_updates")
-        ):
-            return None
-        per_state: dict[str, dict[str, torch.Tensor]] = dict(optimizer)
-        if algorithm.get("dcasgd", {}).get("backup"):
-            # Every datacenter restarts from /model (the INIT round), so that is what each one
-            # holds: the saved backups predate it. Datacenters new to this topology get it too.
-            for dc in range(self.w.topo.num_dcs):
-                per_state[f"backup_dc{dc}"] = model
-        hfa = algorithm.get("hfa", {})
-        outer = {n: hfa[n] for n in OUTER_STATE.values() if n in hfa}
-        topo = self.w.topo
-        out = []
-        for g in range(topo.num_global_servers):
-            state: dict[int, dict[str, torch.Tensor]] = defaultdict(dict)
-            outer_g: dict[int, dict[str, torch.Tensor]] = defaultdict(dict)
-            for b in self.w.buckets:
-                lo, hi = topo.shard_bounds(b.numel, g)
-                for state_name, named in per_state.items():
-                    t = self._shard_state(b, named, lo, hi)
-                    if t is not None:
-                        state[b.key][state_name] = t
-                for state_name, named in outer.items():
-                    t = self._flat(b, named)
-                    if t is not None:
-                        outer_g[b.key][state_name] = (t[lo:hi] if t.dim() else t).clone()
-            out.append(
-                {
-                    "state": dict(state),
-                    "outer": dict(outer_g),
-                    "updates": int(
-                        algorithm.get(
-                            "global_updates",  # older files: the best guess there is
-                            algorithm.get("strategy", {}).get("global_syncs", 0),
-                        )
-                    ),
-                }
-            )
-        return out
-
-    @classmethod
-    def _shard_state(cls, bucket, named: dict[str, torch.Tensor], lo: int, hi: int):
-        """A state's part in the slice [lo, hi) of a bucket: one flat tensor when every member
-        has it (a vector state), else ``{name: piece}`` for the members that have it (scalars
-        such as Adam's ``step`` differ between parameters that skipped different steps)."""
-        parts = [named.get(m.name) for m in bucket.members]
-        if all(p is not None and p.dim() > 0 for p in parts):
-            return cls._flat(bucket, named)[lo:hi].clone()
-        out = {}
-        for m, t in zip(bucket.members, parts):
-            a, b = max(lo, m.offset), min(hi, m.offset + m.numel)
-            if t is not None and b > a:
-                piece = m.values(t)[a - m.offset : b - m.offset] if t.dim() else t
-                out[m.name] = piece.clone()
-        return out or None
-
-    @staticmethod
-    def _flat(bucket, named: dict[str, torch.Tensor]) -> torch.Tensor | None:
-        parts = [named.get(m.name) for m in bucket.members]
-        if any(p is None for p in parts):
-            return None
-        if parts[0].dim() == 0:
-            return parts[0].clone()
-        flat = torch.empty(bucket.numel)
-        for m, t in zip(bucket.members, parts):
-            flat[m.offset : m.offset + m.numel] = m.values(t)
-        return flat
+        return self.held.shard_states(ck.optimizer, ck.algorithm, ck.model)
 
     def send_server_states(self, reqs, states: list[dict] | None = None) -> None:
         """Master worker, during the INIT round: each global server's slice of the state
         (``states``, else the loaded checkpoint's)."""
         states = self.server_states() if states is None else states
-        if states is None:
-            return
-        w = self.w
-        for gs, st in zip(w.topo.global_servers, states):
-            isend_state(reqs, w.comms.world, st, gs, TAG_RESTORE, w.client.link.stats)
+        if states is not None:
+            self.held.send_server_states(reqs, states)
+
+
+def _get(algorithm: dict, section: str | None) -> dict:
+    """The group at ``section`` (an ``Algorithm.worker_state_section``) of a checkpoint's
+    /algorithm; {} where there is none."""
+    for part in section.split("/") if section else ():
+        algorithm = algorithm.get(part, {})
+    return algorithm if section else {}
+
+
+def _put(algorithm: dict, section: str | None, value: dict) -> None:
+    """``value`` at ``section`` of /algorithm, beside what its groups already hold."""
+    if section is None:
+        raise CheckpointError(
+            "the workers keep optimizer state of their own but the algorithm names no "
+            "worker_state_section to checkpoint it in: give its class one (geompi.sync.Algorithm)"
+        )
+    *groups, last = section.split("/")
+    for part in groups:
+        algorithm = algorithm.setdefault(part, {})
+    algorithm[last] = value
 
 
 def say_resumed(path, step: int, note: str) -> None:

@@ -311,9 +311,9 @@ class Synchronizer:
         self.side.check_restore(what, new_model)
         send = None
         if self.master and held is not None and self.holds_server_state:
-            from geompi.checkpointing import Checkpointing
+            from geompi.held_state import HeldState
 
-            io = Checkpointing.for_engine(self)
+            io = HeldState.for_engine(self)
             states = io.shard_states(
                 held.get("optimizer", {}), held.get("algorithm", {}), held.get("model", {})
             )

@@ -327,14 +327,14 @@ class GeompiOptimizer(torch.optim.Optimizer):
 
 def server_state(engine: Synchronizer, what: str) -> dict:
     """Collective over the workers: the global servers' state by parameter name, on every
-    worker (``Checkpointing.held_state``'s dict). ``what``: the caller, for errors."""
-    from geompi.checkpointing import Checkpointing
+    worker (``HeldState.held_state``'s dict). ``what``: the caller, for errors."""
     from geompi.comm.transport import barrier_before_collective
+    from geompi.held_state import HeldState
 
     engine.refuse_closed(what)
     reqs = engine.client.start(Op.SAVE, [])
     reqs.wait()
-    held = Checkpointing.for_engine(engine).held_state() if engine.master else None
+    held = HeldState.for_engine(engine).held_state() if engine.master else None
     comm = engine.s.comms.all_workers
     barrier_before_collective(comm, engine.s.cfg.comm_timeout, "every worker in " + what)
     return comm.bcast(held, root=0)

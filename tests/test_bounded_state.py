@@ -12,6 +12,7 @@ import torch
 from geompi.checkpointing import Checkpointing
 from geompi.comm.topology import Topology
 from geompi.ps.async_tier import StalenessStats
+from geompi.sync import HFA
 
 
 def test_staleness_statistics_stay_bounded():
@@ -68,7 +69,8 @@ def test_resume_sends_each_worker_only_its_own_local_optimizer_state():
         widx=0,
         step=0,
         topo=topo,
-        cfg=SimpleNamespace(comm_timeout=None),  # no watchdog: no barrier before the bcast
+        # no watchdog: no barrier before the bcast; HFA: each worker keeps its optimizer state
+        cfg=SimpleNamespace(comm_timeout=None, algorithm=HFA()),
         comms=SimpleNamespace(all_workers=comm),
         loader=SimpleNamespace(load_state_dict=lambda st: None),
         engine=SimpleNamespace(

@@ -188,3 +188,37 @@ def test_a_write_order_that_is_not_an_integer_scalar_makes_the_file_unreadable(t
     with h5py.File(path, "r+") as f:
         del f.attrs["sequence"]  # a file written before geompi recorded it: step alone
     assert files.recorded_order(path) == (0, 5)
+
+
+def _held_like(model: dict, gen: torch.Generator) -> dict:
+    return {n: torch.randn(t.shape, generator=gen) for n, t in model.items()}
+
+
+def test_checkpoint_bytes_is_an_upper_estimate_of_the_files_each_algorithm_writes(tmp_path):
+    """``checkpoint_bytes`` (the free space check_writable asks for) against real files holding
+    what each algorithm's checkpoint holds, with Adam, 3 workers in 2 datacenters: FSA, the
+    global servers' state once; HFA, each worker's own state and the outer optimizer's (the
+    algorithm's ``checkpoint_copies``). Random values: nothing compresses."""
+    from geompi.checkpointing import checkpoint_bytes
+    from geompi.config import make_config
+
+    gen = torch.Generator().manual_seed(5)
+    net = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 256))
+    model = {n: p.detach().clone() for n, p in net.named_parameters()}
+    step = {n: torch.tensor(3.0) for n in model}
+    adam = {"exp_avg": _held_like(model, gen), "exp_avg_sq": _held_like(model, gen), "step": step}
+    rng = {f"worker{i}": torch.get_rng_state() for i in range(3)}
+    progress = {"data_positions": torch.tensor([[0, 1]] * 3), "steps": torch.tensor([1] * 3),
+                "rng": rng}  # fmt: skip
+    outer = {"outer_exp_avg": _held_like(model, gen), "outer_exp_avg_sq": _held_like(model, gen)}
+    local = {f"worker{i}": {**adam, "exp_avg": _held_like(model, gen)} for i in range(3)}
+    files = {
+        "fsa": dict(optimizer=adam, optimizer_attrs={"name": "adam"}),
+        "hfa": dict(optimizer_attrs={"name": "none"}, algorithm={"hfa": {**outer, "local": local}}),
+    }
+    for sync, parts in files.items():
+        cfg = make_config(["--sync", sync, "--optimizer", "adam"])
+        path = ckpt.save(tmp_path / f"{sync}.h5", model=model, progress=progress, **parts)
+        size = path.stat().st_size
+        need = checkpoint_bytes(net, cfg, num_workers=3, num_dcs=2)
+        assert size <= need <= 1.25 * size + 512 * 1024, (sync, size, need)

@@ -113,7 +113,7 @@ def test_checkpoint_state_of_cut_parameters_round_trips(tmp_path):
         }
         for g, st in enumerate(states)
     ]
-    got_model, got_opt, got_alg = cp._assemble(snaps)
+    got_model, got_opt, got_alg = cp.held.assemble(snaps)
     for n in names:
         assert torch.equal(got_model[n], model[n]), n
         assert torch.equal(got_opt["exp_avg"][n], optimizer["exp_avg"][n]), n

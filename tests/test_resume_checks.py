@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import pytest
 import torch
 
@@ -9,6 +12,7 @@ from geompi import ckpt
 from geompi.checkpointing import check_resumable
 from geompi.config import make_config
 from geompi.errors import CheckpointError
+from geompi.sync import FSA, HFA, Algorithm, MixedSync
 
 SHAPES = {"w": torch.Size([3, 2]), "b": torch.Size([3])}
 
@@ -244,3 +248,55 @@ def test_mixedsync_steps_out_of_line_with_the_datacenters_are_refused(tmp_path, 
     with pytest.raises(CheckpointError) as exc:
         _check(_mixed(tmp_path, steps), "--sync", "mixed", workers=4)
     assert expect in one_line(exc), one_line(exc)
+
+
+@dataclass(frozen=True)
+class LocalElsewhere(HFA):
+    """An HFA variant whose checkpoints keep each worker's optimizer state in a section of
+    its own (``Algorithm.worker_state_section``)."""
+
+    name: ClassVar[str] = "hfa-elsewhere"
+    worker_state_section: ClassVar[str | None] = "elsewhere/workers"
+
+
+def test_each_workers_state_is_read_where_its_algorithm_keeps_it(tmp_path):
+    """The resume checks read each worker's own optimizer state from the section the algorithm
+    names, not from HFA's: a good file resumes (onto another worker count, without them), one
+    holding a state per worker too many, or a worker's state that is no group, is refused."""
+    cfg_flags = ["--sync", f"{__name__}:LocalElsewhere"]
+    state = {"momentum_buffer": {n: torch.ones(s) for n, s in SHAPES.items()}}
+    per_worker = {f"worker{i}": state for i in range(2)}
+
+    def file(workers: dict):
+        return _file(
+            tmp_path,
+            optimizer={},
+            optimizer_attrs={"name": "none"},
+            algorithm={"elsewhere": {"workers": workers}},
+            algorithm_name="hfa-elsewhere",
+        )
+
+    assert _check(file(per_worker), *cfg_flags) == ""
+    assert "local optimizer states start fresh" in _check(file(per_worker), *cfg_flags, workers=3)
+    with pytest.raises(CheckpointError) as exc:
+        _check(file({**per_worker, "worker2": state}), *cfg_flags)
+    assert "3 HFA local optimizer states but 2 workers" in one_line(exc)
+    with pytest.raises(CheckpointError) as exc:
+        _check(file({"worker0": {"momentum_buffer": {"w": torch.ones(3, 2)}}, "worker1": 1}),
+               *cfg_flags)  # fmt: skip
+    assert "/algorithm/elsewhere/workers/worker1 is not a group" in one_line(exc)
+
+
+def test_an_algorithm_whose_workers_step_locally_has_a_section_for_their_state():
+    """A local-steps algorithm that names no section gets its own (no checkpoint of its
+    workers' state fails for want of one); HFA's variants share HFA's, as the files hold."""
+
+    @dataclass(frozen=True)
+    class Own(Algorithm):
+        name: ClassVar[str] = "own-local"
+        local_steps: ClassVar[bool] = True
+
+    assert Own.worker_state_section == "own-local/local"
+    assert LocalElsewhere.worker_state_section == "elsewhere/workers"
+    assert type("MyHFA", (HFA,), {"name": "my-hfa"}).worker_state_section == "hfa/local"
+    assert MixedSync.worker_state_section is None and FSA.worker_state_section is None

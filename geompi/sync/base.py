@@ -328,6 +328,18 @@ class Algorithm:
     kvstore_type: ClassVar[str | None] = None
     kvstore_takes: ClassVar[tuple[str, ...]] = ()
 
+    # Its checkpoint sections: where a checkpoint keeps each worker's own optimizer state, a
+    # path under /algorithm whose group holds ``worker<i>/<state>/<param>`` (HFA's
+    # "hfa/local"), for an algorithm whose workers keep the optimizer's state; None where the
+    # global servers hold it (under /optimizer, named by /optimizer@name). A class with
+    # local_steps that names none gets "<name>/local".
+    worker_state_section: ClassVar[str | None] = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.local_steps and cls.worker_state_section is None:
+            cls.worker_state_section = f"{cls.name}/local"
+
     @property
     def on_servers(self) -> bool:
         """Whether the global servers run the optimizer (the workers then pull parameters)."""
@@ -462,6 +474,29 @@ class Algorithm:
         ``common``: on_nonfinite, timeout, slowdown, wan, max_staleness (the job's defaults).
         """
         raise NotImplementedError
+
+    # ---- its checkpoints (geompi.checkpointing, geompi.resume_checks) ------------------------
+    def checkpoint_copies(self, optimizer_states: int, workers: int) -> int:
+        """How many model-sized tensors of optimizer state one checkpoint holds, for an upper
+        estimate of its size (``optimizer_states``: the state names the optimizer keeps per
+        parameter; ``workers``: the run's): one copy of them per worker where each worker keeps
+        its own (``worker_state_section``), else the global servers' one."""
+        return optimizer_states * (workers if self.worker_state_section else 1)
+
+    def checkpoint_steps_problem(
+        self, steps: list[int], step: int, dc_sizes: list[int]
+    ) -> str | None:
+        """What is wrong, for this algorithm, with a checkpoint's /progress/steps (one step per
+        worker of the run that wrote it, in all_workers order; ``dc_sizes``: that run's
+        datacenters, each its workers and its local server) at the checkpoint's ``step``, in
+        one line; None if nothing is. Here every worker is at that step (the workers move
+        together)."""
+        if any(s != step for s in steps):
+            return (
+                f"/progress/steps is {steps}, but every worker of --sync {self.name} is at the "
+                f"checkpoint's step {step}"
+            )
+        return None
 
     def wan_pattern(self, global_servers: int) -> WanPattern:
         """The message pattern of these settings over a datacenter's WAN link, with

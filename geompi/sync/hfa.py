@@ -59,6 +59,7 @@ class HFA(Algorithm):
     }
     kvstore_type: ClassVar[str | None] = "dist_sync_hfa"
     kvstore_takes: ClassVar[tuple[str, ...]] = ("dist_sync",)
+    worker_state_section: ClassVar[str | None] = "hfa/local"  # each worker's own optimizer's
     k1: int = 4  # the one default of K1 and K2: the CLI's and the Slurm script's too
     k2: int = K2_DEFAULT
     weighting: str = "samples"  # or "uniform": every datacenter the same (GeoMX's)
@@ -109,6 +110,11 @@ class HFA(Algorithm):
         ):  # back from JSON
             kw = {**self.outer_kwargs, "betas": tuple(self.outer_kwargs["betas"])}
             object.__setattr__(self, "outer_kwargs", kw)
+
+    def checkpoint_copies(self, optimizer_states: int, workers: int) -> int:
+        """Each worker's own optimizer state, and the outer optimizer's on the global servers
+        (at most two model-sized tensors: Adam's moments)."""
+        return super().checkpoint_copies(optimizer_states, workers) + 2
 
     def outer(self) -> dict:
         """The outer optimizer's spec, as the global servers get it."""

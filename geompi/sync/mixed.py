@@ -96,6 +96,30 @@ class MixedSync(Algorithm):
     def on_servers(self) -> bool:
         return True
 
+    def checkpoint_steps_problem(
+        self, steps: list[int], step: int, dc_sizes: list[int]
+    ) -> str | None:
+        """Each datacenter is at its own step (the global servers' snapshot holds a number of
+        deposits of each), the same for all of its workers, and datacenter 0 (the master's, which
+        writes the file) at the checkpoint's."""
+        per_dc = [size - 1 for size in dc_sizes]  # a datacenter's ranks: its workers + 1 server
+        if sum(per_dc) != len(steps):
+            return (
+                f"/progress/steps has {len(steps)} workers but the topology attribute's "
+                f"datacenters {dc_sizes} hold {sum(per_dc)}"
+            )
+        first = 0
+        for dc, n in enumerate(per_dc):
+            mine = steps[first : first + n]
+            first += n
+            if len(set(mine)) > 1 or (dc == 0 and mine and mine[0] != step):
+                at = f"the checkpoint's step {step}" if dc == 0 else "one step"
+                return (
+                    f"/progress/steps of datacenter {dc} are {mine}, but its workers are all at "
+                    f"{at}"
+                )
+        return None
+
     def check_survivable(self) -> None:
         """A lost worker or datacenter is survived: the global servers apply every deposit
         made, and each datacenter redoes, or completes from a peer, the round cut off."""
