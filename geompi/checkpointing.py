@@ -17,6 +17,7 @@ What goes where in the file:
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pathlib
@@ -409,7 +410,6 @@ class Checkpointing:
 
     def __init__(self, worker) -> None:
         self.w = worker
-        self.names = worker.buckets.named_slices()  # name -> (shape, its pieces in the keys)
         self.loaded: ckpt.Checkpoint | None = None
         self.restore_note = ""
         self.worker_note = ""  # master: what a resume onto another worker count does
@@ -419,6 +419,11 @@ class Checkpointing:
         self.resumed_from: pathlib.Path | None = None  # master: the file this run resumed
         self.failed_step = -1  # master: the step whose checkpoint could not be written
         self.written: list[pathlib.Path] = []  # master: this run's files, newest first
+
+    @functools.cached_property
+    def names(self) -> dict:
+        """Parameter name -> (shape, its pieces in the keys), once the buckets exist."""
+        return self.w.buckets.named_slices()
 
     @classmethod
     def for_engine(cls, engine) -> Checkpointing:
