@@ -17,6 +17,7 @@ What goes where in the file:
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pathlib
@@ -112,7 +113,6 @@ class Checkpointing:
 
     def __init__(self, worker) -> None:
         self.w = worker
-        self.held = HeldState(worker)  # the global servers' state: by name, and back
         self.loaded: ckpt.Checkpoint | None = None
         self.restore_note = ""
         self.worker_note = ""  # master: what a resume onto another worker count does
@@ -122,6 +122,11 @@ class Checkpointing:
         self.resumed_from: pathlib.Path | None = None  # master: the file this run resumed
         self.failed_step = -1  # master: the step whose checkpoint could not be written
         self.written: list[pathlib.Path] = []  # master: this run's files, newest first
+
+    @functools.cached_property
+    def held(self) -> HeldState:
+        """The global servers' state, by name and back (once the worker's buckets exist)."""
+        return HeldState(self.w)
 
     @staticmethod
     def for_engine(engine) -> HeldState:

@@ -438,9 +438,8 @@ class Metrics:
         """
         if self.closed:
             raise ConfigError("Metrics.step() after close(): build a new geompi.Metrics")
-        if optimizer is not None and self._engine is None:
-            self._engine = _engine_of(optimizer)
-            self._attach()
+        if optimizer is not None:
+            self.attach(optimizer)
         now = time.perf_counter()
         if self._first is None:
             self._first = (step, now)
@@ -499,6 +498,13 @@ class Metrics:
                 fields["wall_s"] = time.perf_counter() - self._t0
             self._queue.append({"kind": kind, **fields})
             self._drain(block=False)
+
+    def attach(self, optimizer: GeompiOptimizer) -> None:
+        """Follow ``optimizer`` from now on, for a Metrics built before it (its rounds then
+        report the WAN counters); ``step(optimizer=...)`` does it at the first step."""
+        if self._engine is None:
+            self._engine = _engine_of(optimizer)
+            self._attach()
 
     # ---- inside ---------------------------------------------------------------------------
     def _attach(self) -> None:

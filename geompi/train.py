@@ -68,7 +68,6 @@ class Worker:
         self.session = session
         topo, comms = session.topo, session.comms
         self.cfg, self.algo, self.topo, self.comms = cfg, algo, topo, comms
-        self.stats = session.stats
         self.rank = session.rank
         self.master = self.rank == 0
         self.widx = topo.worker_index(self.rank)
@@ -81,11 +80,6 @@ class Worker:
         self.model = build_model(cfg.model, self.ds.input_shape, self.ds.num_classes)
         self.model = self.model.to(self.device)
         self.total_steps = self._total_steps()
-        self.opt, self.engine = self._make_optimizer()
-        self.buckets = self.engine.buckets
-        self.client = self.engine.client  # this worker's link to its local server
-        # a torch optimizer's state is this worker's own (HFA's); the servers' stand-in has none
-        self.local_opt = self.opt if isinstance(self.opt, torch.optim.Optimizer) else None
         self.step = 0
         self.samples = 0
         self.samples_of_lost = 0  # --on-failure continue: samples the lost workers trained
@@ -95,14 +89,25 @@ class Worker:
         self._kill_at = faults.fault_step("GEOMPI_FAULT_KILL_AT", self.rank)
         self._signal_at = _fault_signal_at(self.rank)
         self.loss_fn = torch.nn.CrossEntropyLoss()
+        self._prepare_checkpoints()
+
+    def start(self) -> None:
+        """Collective over the workers, once the servers serve: the optimizer, made a
+        DistributedOptimizer (its INIT round gives every worker the master's model)."""
+        self.opt = self._make_optimizer()
+        self.engine = self.opt._geompi  # the loop's own recovery and checkpoints use it
+        self.stats = self.engine.stats  # this job's counters, the summary's
+        self.buckets = self.engine.buckets
+        self.client = self.engine.client  # this worker's link to its local server
+        # the optimizer whose state is this worker's own (HFA's), for checkpoints and rewinds
+        self.local_opt = self.opt if self.algo.optimizer_state_per_worker else None
         # Who agrees on stopping and checkpoints together: the workers that go through the
         # same rounds (every worker; MixedSync: each datacenter's, which move apart). The
         # master's group writes checkpoints.
         self.group = self.engine.peers()
-        self.checkpoints = cfg.checkpoint_dir is not None and (
-            self.group is comms.all_workers or self.dc == topo.dc_of(0)
+        self.checkpoints = self.cfg.checkpoint_dir is not None and (
+            self.group is self.comms.all_workers or self.dc == self.topo.dc_of(0)
         )
-        self._prepare_checkpoints()
 
     def _prepare_checkpoints(self) -> None:
         """Check the checkpoint directory and read the checkpoint to resume, before training."""
@@ -133,27 +138,17 @@ class Worker:
         return math.ceil(steps / period) * period
 
     def _make_optimizer(self):
-        """The CLI's optimizer and the public API's worker engine (geompi.engine) around
-        it, for the algorithm the flags name (its ``cli_optimizer`` says which optimizer, and
-        what the servers are told). The loop drives the engine as DistributedOptimizer's
-        ``step()`` does, without the class swap a user's optimizer gets."""
-        from geompi.engine import Synchronizer
+        """The optimizer the flags name (``Algorithm.cli_optimizer``: a torch optimizer, or
+        under FSA and MixedSync a stand-in for the one the global servers run), made a
+        DistributedOptimizer as a user's script makes its own. The loop recovers from a lost
+        rank itself (it agrees on the step and counts the lost workers' samples), so the
+        engine's step() leaves that to it."""
+        from geompi.optimizer import DistributedOptimizer
 
-        opt, spec = self.algo.cli_optimizer(self.cfg, self.model.parameters())
-        engine = Synchronizer(
-            opt,
-            self.model,
-            self.algo,
-            self.session,
-            bucket_mb=self.cfg.bucket_mb,
-            max_grad_norm=None,
-            passes=1,
-            server_spec=spec,
-            stats=self.stats,
-            follow_hyperparameters=False,
-        )
-        engine.recovers = False  # HFA: the loop does, in _survive (FSA: its round, in backward)
-        return opt, engine
+        opt = self.algo.cli_optimizer(self.cfg, self.model.parameters())
+        opt = DistributedOptimizer(opt, self.model, self.algo, bucket_mb=self.cfg.bucket_mb)
+        opt._geompi.recovers = False  # see _survive
+        return opt
 
     # ---- the loop -------------------------------------------------------------------------
     # What differs between algorithms (when the workers agree on a stop, which rounds are made
@@ -224,7 +219,7 @@ class Worker:
             self.made_global_at = self.step + 1
         syncs = self.engine.global_syncs
         try:
-            self.engine.step(None, self.opt.step)  # as DistributedOptimizer.step()
+            self.opt.step()
             if agreeing:
                 self.stopping = stop.end()
         except Exception as e:  # noqa: BLE001 - a lost rank, under --on-failure continue
@@ -314,14 +309,11 @@ class Worker:
         self.failures_seen = len(self.engine.failures)
 
     def _resume(self) -> None:
-        """Restore the checkpoint (if any) everywhere, then the INIT round starts the servers.
-        Where the datacenters train apart, each keeps its own progress: the checkpoints' cut
-        records where each worker starts, and the servers keep the final model's snapshot for
-        the checkpoint written after close()."""
+        """Restore the checkpoint (if any) everywhere: the master's model, each worker's data
+        position, RNG and own state, then an INIT round (as the first, which
+        DistributedOptimizer ran) hands the servers their state. Where the datacenters train
+        apart, each keeps its own progress: the checkpoints' cut records where each starts."""
         info = self.ckpt.distribute() if self.cfg.resume else None
-        send = None
-        extra = {}
-        apart = self.cfg.checkpoint_dir and self.group is not self.comms.all_workers
         if self.master:
             if info is not None:
                 from geompi.checkpointing import say_resumed
@@ -329,14 +321,13 @@ class Worker:
                 say_resumed(self.resume_path, info["step"], self.ckpt.restore_note)
             elif self.cfg.resume:
                 say(f"geompi: no checkpoint in {self.cfg.checkpoint_dir} yet; starting fresh")
-            if self.ckpt.server_states() is not None:
-                extra["restore"] = True
+        if info is not None:  # on every worker alike (broadcast)
+            send = None
+            if self.master and self.ckpt.server_states() is not None:
                 send = self.ckpt.send_server_states
-            if apart:
-                extra["final_snapshot"] = True  # for the checkpoint written after close()
-        if apart:
+            self.engine.begin({"restore": True} if send else None, send_restore=send)
+        if self.cfg.checkpoint_dir and self.group is not self.comms.all_workers:
             self.ckpt.record_starts()
-        self.engine.start(extra, send_restore=send)
 
     def _save_surviving(self, log: Metrics | None) -> None:
         """``_save``; where a rank is lost during it (``--on-failure continue``), the survivors
@@ -464,7 +455,17 @@ def _train(cfg: RunConfig, comm) -> dict | None:
     # serve the job the master worker announces (the algorithm's job(), sent by the engine
     # before its INIT round), as they serve a DistributedOptimizer's.
     s = session.start(cfg.validate, comm, again=again)
-    comm, topo, comms, stats = s.comms.world, s.topo, s.comms, s.stats
+    try:
+        session._session = s  # the API's, as geompi.init() makes it; DistributedOptimizer's
+        return _run(cfg, s)
+    finally:
+        session._session = None
+
+
+def _run(cfg: RunConfig, s) -> dict | None:
+    from geompi import session
+
+    comm, topo, comms = s.comms.world, s.topo, s.comms
     if cfg.log_level:
         set_level(cfg.log_level)
     rank = s.rank
@@ -475,7 +476,6 @@ def _train(cfg: RunConfig, comm) -> dict | None:
             node = Worker(cfg, algo, s)
             log = Metrics(
                 cfg.metrics,
-                _engine=node.engine,  # the CLI's optimizer is not swapped: its engine
                 tensorboard=cfg.tensorboard,
                 total_steps=node.total_steps,
                 progress_s=cfg.progress_every,
@@ -489,6 +489,8 @@ def _train(cfg: RunConfig, comm) -> dict | None:
         session.serve_until_finished(s)
         faults.unwatch()
         return None
+    node.start()
+    log.attach(node.opt)
     try:
         result = node.run(log)
         log.flush()  # every worker: the last step records
@@ -497,6 +499,7 @@ def _train(cfg: RunConfig, comm) -> dict | None:
     # After a recovery (--on-failure continue) the job goes on in the rebuilt communicators
     s.topo, s.rank = node.topo, comms.world.Get_rank()
     topo, rank = s.topo, s.rank
+    stats = node.stats
     mine = {"role": Role.WORKER.name, **stats.as_dict()}
     mine.update(compute_s=result["compute_s"], wall_s=result["wall_s"])
     # Every rank is here (the servers at the end of their job), so that a lost one is caught

@@ -11,7 +11,7 @@ import re
 from typing import Any
 
 from geompi.errors import ConfigError
-from geompi.sync.base import Algorithm, WorkerSide, number, whole_number
+from geompi.sync.base import Algorithm, ServerHeld, WorkerSide, number, whole_number
 from geompi.sync.fsa import FSA
 from geompi.sync.hfa import HFA
 from geompi.sync.mixed import MixedSync
@@ -191,6 +191,7 @@ __all__ = [
     "number",
     "register",
     "resolve",
+    "ServerHeld",
     "whole_number",
     "WorkerSide",
 ]

@@ -454,8 +454,9 @@ class Algorithm:
         """What the global servers need from the user's optimizer, sent in the INIT round."""
         return None
 
-    def cli_optimizer(self, cfg, params) -> tuple[object, dict]:
-        """The CLI's workers' optimizer for these flags, and the servers' spec."""
+    def cli_optimizer(self, cfg, params) -> torch.optim.Optimizer:
+        """The CLI's optimizer for these flags (the CLI wraps it in DistributedOptimizer with
+        this algorithm, whose ``server_spec`` then reads it, as it reads a user's)."""
         raise NotImplementedError
 
     def local_policy(self) -> LocalPolicy:
@@ -522,3 +523,29 @@ def number(s: str) -> float:
         return float(s)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, not {s!r}") from None
+
+
+class ServerHeld(torch.optim.Optimizer):
+    """An optimizer the global servers run, named by its spec (SGD, Adam, AdamW or DCASGD,
+    which torch lacks): the workers' stand-in, the model's parameters in one group, never
+    stepped here (the CLI's, under FSA's servers placement and MixedSync). A torch optimizer,
+    so DistributedOptimizer takes it, built without torch's ``add_param_group`` wrapper, whose
+    first call imports torch._dynamo: 1.7 s of CPU on every worker (measured), for nothing."""
+
+    add_param_group = getattr(  # type: ignore[assignment]  # the same function, unwrapped
+        torch.optim.Optimizer.add_param_group, "__wrapped__", torch.optim.Optimizer.add_param_group
+    )
+
+    def __init__(self, params, message: dict) -> None:
+        self.message = message  # what the global servers are told (spec_message's form)
+        super().__init__(params, {"lr": float(message["optimizer"].get("lr", 0.0))})
+
+    def step(self, closure=None) -> None:  # type: ignore[override]
+        raise RuntimeError("the global servers step this optimizer, not the workers")
+
+
+def held_message(optimizer: torch.optim.Optimizer) -> dict | None:
+    """A ServerHeld's spec (the servers run it as it is), else None: read the user's."""
+    if not isinstance(optimizer, ServerHeld):
+        return None
+    return optimizer.message

@@ -22,7 +22,7 @@ from geompi.comm.buffers import all_finite
 from geompi.errors import ConfigError, NonFiniteError
 from geompi.ps.optim import SGD, Adam, AdamW, Spec, make_spec, spec_to_dict
 from geompi.ps.protocol import FLAG_MEAN, FLAG_PRESENCE, FLAG_RAW, presence_payload
-from geompi.sync.base import Algorithm, Engine, WanPattern, WorkerSide
+from geompi.sync.base import Algorithm, Engine, ServerHeld, WanPattern, WorkerSide, held_message
 
 
 @dataclass(frozen=True)
@@ -70,10 +70,16 @@ class FSA(Algorithm):
 
     def server_spec(self, optimizer: torch.optim.Optimizer) -> dict | None:
         if not self.on_servers:
+            if isinstance(optimizer, ServerHeld):
+                raise ConfigError(
+                    "FSA(optimizer='workers') steps the optimizer on the workers: a ServerHeld "
+                    "optimizer needs FSA(optimizer='servers')"
+                )
             return None
-        return spec_message(optimizer, "FSA(optimizer='servers')")
+        held = held_message(optimizer)
+        return held if held is not None else spec_message(optimizer, "FSA(optimizer='servers')")
 
-    def cli_optimizer(self, cfg, params) -> tuple[object, dict]:
+    def cli_optimizer(self, cfg, params) -> torch.optim.Optimizer:
         return servers_optimizer(cfg, params)
 
     def make_server(self, topo, comms, stats, **common):
@@ -258,7 +264,7 @@ def _sync_tier(common: dict) -> dict:
     return {k: v for k, v in common.items() if k != "max_staleness"}
 
 
-def servers_optimizer(cfg, params) -> tuple[ServerHeld, dict]:
+def servers_optimizer(cfg, params) -> ServerHeld:
     """The CLI with the optimizer on the global servers: the flags' spec (which may be
     DCASGD, which torch lacks) goes to the servers; the workers hold only a stand-in."""
     spec = make_spec(
@@ -270,20 +276,7 @@ def servers_optimizer(cfg, params) -> tuple[ServerHeld, dict]:
         cfg.dcasgd_lambda,
         cfg.dcasgd_adaptive,
     )
-    return ServerHeld(params), {"optimizer": spec_to_dict(spec)}
-
-
-class ServerHeld:
-    """The workers' stand-in for an optimizer the global servers hold (the CLI's): the model's
-    parameters in one group, never stepped here. Not a torch.optim object, whose first use
-    imports torch._dynamo: about 2 s of CPU on every worker."""
-
-    def __init__(self, params) -> None:
-        self.param_groups = [{"params": list(params)}]
-        self.state: dict = {}
-
-    def step(self) -> None:
-        raise RuntimeError("the global servers step this optimizer, not the workers")
+    return ServerHeld(params, {"optimizer": spec_to_dict(spec)})
 
 
 def spec_message(optimizer: torch.optim.Optimizer, who: str) -> dict:

@@ -320,12 +320,12 @@ class HFA(Algorithm):
     def server_spec(self, optimizer: torch.optim.Optimizer) -> dict | None:
         return {"outer": self.outer()}
 
-    def cli_optimizer(self, cfg, params) -> tuple[object, dict]:
+    def cli_optimizer(self, cfg, params) -> torch.optim.Optimizer:
         """Each worker's inner optimizer, from the same spec a global server would use."""
         spec = make_spec(
             cfg.optimizer, cfg.effective_lr, cfg.effective_momentum, cfg.weight_decay, cfg.nesterov
         )
-        return torch_optimizer(spec, params), {"outer": self.outer()}  # server_spec's
+        return torch_optimizer(spec, params)
 
     def outer_rule(
         self, value: torch.Tensor, average: torch.Tensor, spec: dict, state: dict

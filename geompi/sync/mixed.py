@@ -21,7 +21,13 @@ from geompi.errors import ConfigError, positive_number
 from geompi.ps.optim import DCASGD, SGD, spec_to_dict
 from geompi.ps.protocol import Op
 from geompi.sync.base import Algorithm, Engine, WanPattern, WorkerSide, whole_number
-from geompi.sync.fsa import FSAServersWorker, server_spec, servers_optimizer, spec_message
+from geompi.sync.fsa import (
+    FSAServersWorker,
+    held_message,
+    server_spec,
+    servers_optimizer,
+    spec_message,
+)
 
 
 class MixedWorker(FSAServersWorker):
@@ -33,6 +39,12 @@ class MixedWorker(FSAServersWorker):
 
     where = "MixedSync"
     final_model_at_close = True  # the STOP round brings the final global model
+
+    def init_spec(self) -> dict:
+        spec = super().init_spec()
+        if self.e.s.cfg.checkpoint_dir:  # the CLI's checkpoints: the last one is written after
+            spec["final_snapshot"] = True  # close(), from the servers' final state they send
+        return spec
 
     def sends_spec(self) -> bool:
         return self.e.master or self.e.dc_first
@@ -158,6 +170,9 @@ class MixedSync(Algorithm):
 
     def server_spec(self, optimizer: torch.optim.Optimizer) -> dict | None:
         """The global servers' optimizer, read from the user's (DCASGD: one param group)."""
+        held = held_message(optimizer)
+        if held is not None:  # the CLI's flags: its spec as it is (DCASGD's too)
+            return held
         if not self.dcasgd:
             return spec_message(optimizer, "MixedSync")
         spec = server_spec(optimizer, "MixedSync(dcasgd=True)")
@@ -179,7 +194,7 @@ class MixedSync(Algorithm):
         )
         return {"optimizer": spec_to_dict(dcasgd)}
 
-    def cli_optimizer(self, cfg, params) -> tuple[object, dict]:
+    def cli_optimizer(self, cfg, params) -> torch.optim.Optimizer:
         return servers_optimizer(cfg, params)
 
     def make_server(self, topo, comms, stats, **common):
