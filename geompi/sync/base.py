@@ -532,7 +532,7 @@ class ServerHeld(torch.optim.Optimizer):
     so DistributedOptimizer takes it, built without torch's ``add_param_group`` wrapper, whose
     first call imports torch._dynamo: 1.7 s of CPU on every worker (measured), for nothing."""
 
-    add_param_group = getattr(  # type: ignore[assignment]  # the same function, unwrapped
+    add_param_group = getattr(  # the same function, unwrapped
         torch.optim.Optimizer.add_param_group, "__wrapped__", torch.optim.Optimizer.add_param_group
     )
 
