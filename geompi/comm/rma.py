@@ -7,6 +7,8 @@ Each global server (the *owner*) exposes two windows on the global communicator:
   parameters back into the same slot, which the client then ``Get``s.
 - ``ctrl``: float64 counters. Global: version (updates applied), ticket counter (arrival
   order), all-done flag. Per datacenter: pending ticket, weight, updates applied, done flag.
+  These come first (the *header*: what a client polls, 16 words for 2 datacenters); then each
+  datacenter's list of the keys in its deposit, which only the owner reads.
 
 No rank ever takes a lock on a target. Every rank opens one ``Lock_all(MODE_NOCHECK)`` epoch on
 both windows when they are made and keeps it until they are freed; clients complete each
@@ -42,19 +44,27 @@ from geompi.comm.poll import Backoff, Poller
 from geompi.comm.transport import WAN, LinkStats
 from geompi.errors import ConfigError
 
-# ctrl layout
+# ctrl layout: the header (global words, then each datacenter's fields), then the key lists
 VERSION, TICKETS, ALL_DONE, SAVE_REQUEST = 0, 1, 2, 3
 _GLOBAL = 4
-UPDATES, DONE, PENDING, WEIGHT, FLAGS, NKEYS = 0, 1, 2, 3, 4, 5  # a deposit writes PENDING..
-KEYS = 6  # then the ids of the keys in the deposit, in slot order
-MAX_DEPOSIT_KEYS = 256
-_PER_DC = KEYS + MAX_DEPOSIT_KEYS
+UPDATES, DONE, PENDING, WEIGHT, FLAGS, NKEYS = 0, 1, 2, 3, 4, 5  # a deposit writes WEIGHT..
+_FIELDS = 6
+MAX_DEPOSIT_KEYS = 256  # per datacenter: the ids of the keys in its deposit, in slot order
 
 _PROGRESS_TAG = 32767  # an Iprobe on COMM_SELF for a message never sent: MPI's progress only
 
 
 def _dc(d: int, field: int) -> int:
-    return _GLOBAL + _PER_DC * d + field
+    return _GLOBAL + _FIELDS * d + field
+
+
+def _header(num_dcs: int) -> int:
+    """Words before the key lists: what a client polls."""
+    return _GLOBAL + _FIELDS * num_dcs
+
+
+def _keys_at(num_dcs: int, d: int) -> int:
+    return _header(num_dcs) + MAX_DEPOSIT_KEYS * d
 
 
 class SlotWindows:
@@ -78,7 +88,7 @@ class SlotWindows:
         self.is_owner = comm.Get_rank() == owner
         if self.is_owner:
             self.data = np.zeros(num_dcs * slot_len, dtype=np.float32)
-            self.ctrl = np.zeros(_GLOBAL + _PER_DC * num_dcs, dtype=np.float64)
+            self.ctrl = np.zeros(_header(num_dcs) + MAX_DEPOSIT_KEYS * num_dcs, np.float64)
         else:
             self.data = np.zeros(0, dtype=np.float32)
             self.ctrl = np.zeros(0, dtype=np.float64)
@@ -93,7 +103,7 @@ class SlotWindows:
                 )
             win.Lock_all(MPI.MODE_NOCHECK)  # the one epoch, until free(): no lock traffic
         self._one = np.ones(1, dtype=np.float64)
-        self._scratch = np.zeros(_GLOBAL + _PER_DC * num_dcs, dtype=np.float64)
+        self._scratch = np.zeros(_header(num_dcs), dtype=np.float64)
         # An emulated WAN's charge for a control operation: called with the one-way trips it
         # takes (a Get or Fetch_and_op is a round trip: 2; a Put made visible by Unlock: 1).
         self.on_control: Callable[[int], None] | None = None
@@ -106,7 +116,7 @@ class SlotWindows:
 
     # ---- client side ----------------------------------------------------------------------
     def read_ctrl(self) -> np.ndarray:
-        """A copy of the owner's counters (each word as it was at some moment of the read)."""
+        """A copy of the owner's header (each word as it was at some moment of the read)."""
         self.win_ctrl.Get(self._scratch, self.owner)
         self.win_ctrl.Flush(self.owner)
         self._control(self._scratch.nbytes, 2)
@@ -118,8 +128,10 @@ class SlotWindows:
         """Put a gradient (``keys`` packed in order) into dc's slot and mark it pending."""
         self.stats.count(WAN, grad.nbytes)
         self.win_data.Put(grad, self.owner, dc * self.slot_len)
-        fields = np.array([weight, flags, len(keys), *keys], dtype=np.float64)
+        fields = np.array([weight, flags, len(keys)], dtype=np.float64)
+        ids = np.array(keys or [0], dtype=np.float64)
         self.win_ctrl.Put(fields, self.owner, _dc(dc, WEIGHT))
+        self.win_ctrl.Put(ids, self.owner, _keys_at(self.num_dcs, dc))
         self.win_data.Flush(self.owner)  # data and fields in place before the ticket says so
         self.win_ctrl.Flush(self.owner)
         ticket = np.zeros(1, dtype=np.float64)
@@ -129,7 +141,7 @@ class SlotWindows:
         pending = np.array([ticket[0] + 1], dtype=np.float64)
         self.win_ctrl.Put(pending, self.owner, _dc(dc, PENDING))
         self.win_ctrl.Flush(self.owner)
-        self._control(pending.nbytes + fields.nbytes, 1)
+        self._control(pending.nbytes + fields.nbytes + 8 * len(keys), 1)
 
     def wait_until(self, ready, what: str) -> np.ndarray:
         """Poll the counters until ``ready(ctrl)``; returns them."""
@@ -206,8 +218,12 @@ def per_dc(ctrl: np.ndarray, d: int, field: int) -> float:
 
 
 def deposit_keys(ctrl: np.ndarray, d: int) -> list[int]:
-    n = int(ctrl[_dc(d, NKEYS)])
-    return [int(k) for k in ctrl[_dc(d, KEYS) : _dc(d, KEYS) + n]]
+    """The keys of datacenter d's deposit, from the owner's whole ``ctrl``."""
+    n, at = (
+        int(ctrl[_dc(d, NKEYS)]),
+        _keys_at((len(ctrl) - _GLOBAL) // (_FIELDS + MAX_DEPOSIT_KEYS), d),
+    )
+    return [int(k) for k in ctrl[at : at + n]]
 
 
 def set_per_dc(ctrl: np.ndarray, d: int, field: int, value: float) -> None:
