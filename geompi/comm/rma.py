@@ -105,7 +105,7 @@ class SlotWindows:
         self._one = np.ones(1, dtype=np.float64)
         self._scratch = np.zeros(_header(num_dcs), dtype=np.float64)
         # An emulated WAN's charge for a control operation: called with the one-way trips it
-        # takes (a Get or Fetch_and_op is a round trip: 2; a Put made visible by Unlock: 1).
+        # takes (a Get or Fetch_and_op is a round trip: 2; a Put: 1, its Flush's answer aside).
         self.on_control: Callable[[int], None] | None = None
 
     def _control(self, nbytes: int, trips: int) -> None:
