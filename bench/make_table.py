@@ -766,6 +766,7 @@ RENDERERS = {
     "throughput_lm": render_throughput_lm,
     "real_wan": render_real_wan,
     "real_wan_20mbit": render_real_wan,
+    "real_wan_mixed": render_real_wan,
     "plan_check": render_plan_check,
 }
 TITLES = {
@@ -793,6 +794,7 @@ TITLES = {
     "(bench/plan_check.py)",
     "real_wan_20mbit": "The same on a link-bound setting: FSA and HFA at 20 Mbit/s, 60 steps "
     "(bench/real_wan.py --methods fsa,hfa --rates 20mbit --steps 60)",
+    "real_wan_mixed": "MixedSync across network namespaces too (bench/real_wan.py --methods mixed)",
 }
 
 

@@ -60,14 +60,6 @@ METHODS = {
     "mixed": ["--sync", "mixed"],
 }
 WAYS = ("kernel", "model_tcp", "model")
-# Not run across namespaces, and why. MixedSync's job hangs there after start-up. Its windows use
-# Open MPI's osc/rdma, which over btl/tcp between hosts moves a Put or Get only while its target
-# is in an MPI call (measured: a Put to a target that sleeps 3 s outside MPI completes after
-# 3 s); on one host osc/rdma reaches the target's memory directly and MixedSync runs.
-NOT_ACROSS_HOSTS = {
-    "mixed": "its job hangs across namespaces (osc/rdma over TCP moves a Put or Get only while "
-    "its target is in an MPI call; the exact cause is not pinned down)"
-}
 
 
 def rate_bits(text: str) -> float:
@@ -83,8 +75,6 @@ def ns_job(rates: list[str], steps: int, out: pathlib.Path, timeout: float) -> l
     spec, keys = [], []
     for rate in rates:
         for m, margs in METHODS.items():
-            if m in NOT_ACROSS_HOSTS:
-                continue
             for way in ("kernel", "model_tcp"):
                 i = len(spec)
                 args = ["--dc-map", "nodes", *margs, *common(steps)]
@@ -242,7 +232,6 @@ def main(argv: list[str] | None = None) -> int:
         "reps": args.reps,
         "methods": {m: " ".join(a) for m, a in METHODS.items()},
         "latency": "none (no netem on this kernel; latency stays in the link model)",
-        "not_across_hosts": NOT_ACROSS_HOSTS,
         "summary": summarise(rows, rates),
         "runs": rows,
     }

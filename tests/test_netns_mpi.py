@@ -1,7 +1,7 @@
 """Datacenters in real network namespaces (tests/netns.py): one mpirun job over TCP whose hosts
 are namespaces, trained with ``--dc-map nodes``; the kernel's counters and a tbf-shaped link
-hold geompi's WAN byte counts and its traffic's path to the namespaces. Root only (skipped with
-one line elsewhere)."""
+hold geompi's WAN byte counts and its traffic's path to the namespaces, and MixedSync's
+one-sided tier runs there too. Root only (skipped with one line elsewhere)."""
 
 from __future__ import annotations
 
@@ -32,12 +32,17 @@ HEADERS = 14 + 20 + 32
 OVERHEAD = 0.02
 
 
-def _runs(tmp_path) -> tuple[list[dict], list[dict], list[str], str]:
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> tuple[list[dict], list[dict], list[str], str]:
+    """One job, three runs: HFA shaped, HFA unshaped, MixedSync unshaped."""
+    tmp_path = tmp_path_factory.mktemp("netns")
     args = ["--dc-map", "nodes", "--sync", "hfa", "--k1", "4", "--k2", "2", "--steps", "96"]
+    mixed = ["--dc-map", "nodes", "--sync", "mixed", "--steps", "96"]
     spec = [
         # shaped first: the first run of a job also opens its TCP connections
         {"args": [*args, "--metrics", str(tmp_path / "m0.jsonl")], "rate": SLOW},
         {"args": [*args, "--metrics", str(tmp_path / "m1.jsonl")], "rate": None},
+        {"args": [*mixed, "--metrics", str(tmp_path / "m2.jsonl")], "rate": None},
     ]
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     with netns.Cluster(HOSTS) as c:
@@ -67,8 +72,8 @@ def _payload(net: dict, host: int) -> int:
     return sum(_moved(net, host)) - HEADERS * sum(_moved(net, host, "packets"))
 
 
-def test_training_across_namespaces(tmp_path):
-    summaries, nets, names, prefix = _runs(tmp_path)
+def test_training_across_namespaces(runs):
+    summaries, nets, names, prefix = runs
     # nothing of the run remains
     spaces, links = netns.ours()
     assert not [n for n in spaces + links if n.startswith(prefix)]
@@ -76,6 +81,7 @@ def test_training_across_namespaces(tmp_path):
         # --dc-map nodes found one datacenter per namespace (blocks would make 3 of 7 ranks)
         assert s["topology"]["dc_sizes"] == [3, 3] and s["topology"]["global_servers"] == 1
         assert s["steps"] == 96
+    summaries, nets = summaries[:2], nets[:2]  # HFA's: MixedSync's bytes are checked below
     for s, net in zip(summaries, nets, strict=True):
         wan = s["wan_bytes"]
         assert wan > 1_000_000
@@ -91,6 +97,29 @@ def test_training_across_namespaces(tmp_path):
     floor = max(sent, received) * 8 / SLOW  # the least time the shaped link allows
     assert nets[0]["wall_s"] >= floor
     assert slow["wall_s"] >= fast["wall_s"] + 0.5 * floor, (slow["wall_s"], fast["wall_s"], floor)
+
+
+def test_mixedsync_across_namespaces(runs):
+    """MixedSync's one-sided tier over TCP between hosts (it hung there while its global server
+    waited for a lock on its own window): every deposit of both datacenters applied, and its
+    bytes on the veths. The global server's side of each link carries what geompi counts
+    (results, tickets, counters) to within 2%; the datacenters' side carries the deposits plus
+    Open MPI's requests for each Get, which osc/rdma emulates over btl/tcp with a request as
+    large as the data or twice it (measured: 40 MB of 4 MB Gets sent 80 MB), so the data
+    fetched costs up to 2x more there."""
+    s, net = runs[0][2], runs[1][2]
+    assert s["sync"] == "mixed" and s["dc_updates"] == [96, 96]
+    assert s["staleness_updates"] == 192
+    up = s["global_in_bytes"]  # the deposits, as the global server took them in
+    down = s["wan_bytes"] - up  # the fetched results, and the control words both ways
+    assert up > 5_000_000 and down > 5_000_000
+    sent_by_dcs = sum(_moved(net, h)[0] for h in range(2))
+    packets_by_dcs = sum(_moved(net, h, "packets")[0] for h in range(2))
+    sent_by_gs, packets_by_gs = _moved(net, 2)[0], _moved(net, 2, "packets")[0]
+    payload_down = sent_by_gs - HEADERS * packets_by_gs
+    payload_up = sent_by_dcs - HEADERS * packets_by_dcs
+    assert down * (1 - OVERHEAD) <= payload_down <= down * (1 + OVERHEAD), (payload_down, down)
+    assert up <= payload_up <= (up + 2 * down) * (1 + OVERHEAD), (payload_up, up, down)
 
 
 def test_stale_names_removed_at_start():

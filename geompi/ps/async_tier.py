@@ -519,11 +519,8 @@ class AsyncGlobalServer(GlobalServer):
         barrier(comm, None, what)
 
     def _counters(self) -> np.ndarray:
-        """A copy of this owner's counters."""
-        self.win.lock_self()
-        ctrl = self.win.ctrl.copy()
-        self.win.unlock_self()
-        return ctrl
+        """A copy of this owner's counters (see SlotWindows.counters)."""
+        return self.win.counters()
 
     def _reopen_windows(self, kept: list[int]) -> None:
         """New windows over the rebuilt global tier (collective), holding what the old one held
@@ -535,16 +532,14 @@ class AsyncGlobalServer(GlobalServer):
             self.link.comm, self.topo, self.key_sizes, self.stats, None, self.codec
         )
         self.win = new = self.wins[self.index]
-        new.lock_self()
+        # written before the local servers pass the barrier that follows: none reads them yet
         new.ctrl[VERSION], new.ctrl[TICKETS] = ctrl[VERSION], ctrl[TICKETS]
         for i, d in enumerate(kept):
             for field in (UPDATES, DONE):
                 set_per_dc(new.ctrl, i, field, per_dc(ctrl, d, field))
-        new.unlock_self()
-        new.data_lock()
         for i, d in enumerate(kept):
             new.slot(i)[:] = old.slot(d)
-        new.data_unlock()
+        new.sync()
 
     def _renumber(self, kept: list[int]) -> None:
         """Per-datacenter state, for the datacenters ``kept`` (old numbers), in their order."""
@@ -572,9 +567,8 @@ class AsyncGlobalServer(GlobalServer):
             ctrl = self._counters()
             if ctrl[SAVE_REQUEST]:
                 self._save_at_cut()
-                win.lock_self()
                 win.ctrl[SAVE_REQUEST] = 0
-                win.unlock_self()
+                win.sync()
                 continue  # ctrl is stale: the catch-up applied deposits
             pending = sorted(
                 (per_dc(ctrl, d, PENDING), d) for d in range(ndc) if per_dc(ctrl, d, PENDING) > 0
@@ -652,7 +646,7 @@ class AsyncGlobalServer(GlobalServer):
             regions.insert(0, regions.pop(pos))
         self._present = None
         self._use_hyperparameters(d, flags, spec)
-        win.data_lock()
+        win.sync()  # the slot as deposited (its PENDING was seen: the data is in place)
         version = int(win.ctrl[VERSION])
         for k, at, codec in regions:
             n = self.offsets[k][1]
@@ -669,7 +663,7 @@ class AsyncGlobalServer(GlobalServer):
                 self._pulled(k, d)
             result = result.contiguous().view(torch.uint8)
             slot[at : at + result.numel()] = result
-        win.data_unlock()
+        win.sync()
         self.stats.received[WAN] += off  # what the deposit brought in (counted here, at the owner)
         self.staleness.record(d, version - self.last_version[d])
         ticket = int(per_dc(ctrl, d, PENDING))
@@ -678,11 +672,11 @@ class AsyncGlobalServer(GlobalServer):
                 {"dc": self.dc_names[d], "ticket": ticket, "weight": float(weight), "keys": keys,
                  "in_recovery": spec is not None}
             )  # fmt: skip
-        win.lock_self()
         win.ctrl[VERSION] = version + 1
         set_per_dc(win.ctrl, d, UPDATES, per_dc(win.ctrl, d, UPDATES) + 1)
-        set_per_dc(win.ctrl, d, PENDING, 0)
-        win.unlock_self()
+        win.sync()
+        set_per_dc(win.ctrl, d, PENDING, 0)  # last: d's results and counters are in place
+        win.sync()
         self.last_version[d] = version + 1
         self.applied[d] += 1
         self.samples_applied += weight
@@ -755,15 +749,13 @@ class AsyncGlobalServer(GlobalServer):
         """Every slot gets the final parameters, then ALL_DONE releases the local servers."""
         win = self.win
         self._final_means()
-        win.data_lock()
         for d in range(self.topo.num_dcs):
             slot = torch.from_numpy(win.slot(d))
             for k, (off, n) in self.offsets.items():
                 slot[off : off + n] = self.values[k]
-        win.data_unlock()
-        win.lock_self()
-        win.ctrl[ALL_DONE] = 1
-        win.unlock_self()
+        win.sync()
+        win.ctrl[ALL_DONE] = 1  # after the slots: a local server that sees it fetches them
+        win.sync()
 
     def report(self) -> dict:
         if not hasattr(self, "win"):
