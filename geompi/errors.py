@@ -59,7 +59,11 @@ class ProtocolError(GeompiError):
 
 
 class CommTimeoutError(GeompiError):
-    """A server waited longer than --comm-timeout for a peer (a lost or stuck rank)."""
+    """A server waited longer than --comm-timeout for a peer (a lost or stuck rank).
+
+    ``quiet``: another rank reported the same loss; this one ends without a line."""
+
+    quiet: bool = False
 
 
 class NonFiniteError(GeompiError):

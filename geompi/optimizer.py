@@ -52,6 +52,7 @@ def DistributedOptimizer(  # noqa: N802 - a factory named like the class it retu
     lan_bandwidth: str | None = None,
     wan_compression: str | None = None,
     lan_reduce: str | None = None,
+    _start: bool = True,
 ) -> GeompiOptimizer:
     """Make ``optimizer`` (built on ``model``'s parameters) train across the job. Collective:
     every worker calls it once, with the same model and settings.
@@ -118,7 +119,8 @@ def DistributedOptimizer(  # noqa: N802 - a factory named like the class it retu
         except GeompiError as e:  # the same on every worker: the settings agree
             session.exit_identically(s, e)
         wrap(optimizer, engine)
-        engine.start()
+        if _start:  # the CLI's resume starts it itself, its INIT round carrying the checkpoint
+            engine.start()
     return cast(GeompiOptimizer, optimizer)  # its class swapped
 
 

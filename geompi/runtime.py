@@ -133,8 +133,11 @@ def _brief(err: BaseException) -> str:
 
 
 def abort(err: BaseException, code: int = 1) -> None:
-    """A fault during training: one line from this rank, then abort every rank."""
-    if isinstance(err, GeompiError):
+    """A fault during training: one line from this rank, then abort every rank. A ``quiet``
+    error (a loss another rank has reported) only aborts."""
+    if getattr(err, "quiet", False):
+        pass
+    elif isinstance(err, GeompiError):
         say(PREFIX + str(err))
     else:
         traceback.print_exception(err)

@@ -146,7 +146,11 @@ class Worker:
         from geompi.optimizer import DistributedOptimizer
 
         opt = self.algo.cli_optimizer(self.cfg, self.model.parameters())
-        opt = DistributedOptimizer(opt, self.model, self.algo, bucket_mb=self.cfg.bucket_mb)
+        # On --resume the INIT round waits for the checkpoint (_resume): one round, as a
+        # fresh start's, rather than the fresh model's values and then the checkpoint's.
+        opt = DistributedOptimizer(
+            opt, self.model, self.algo, bucket_mb=self.cfg.bucket_mb, _start=not self.cfg.resume
+        )
         opt._geompi.recovers = False  # see _survive
         return opt
 
@@ -310,9 +314,10 @@ class Worker:
 
     def _resume(self) -> None:
         """Restore the checkpoint (if any) everywhere: the master's model, each worker's data
-        position, RNG and own state, then an INIT round (as the first, which
-        DistributedOptimizer ran) hands the servers their state. Where the datacenters train
-        apart, each keeps its own progress: the checkpoints' cut records where each starts."""
+        position, RNG and own state, then the INIT round (which DistributedOptimizer left to
+        this) hands every worker the master's model and the servers their state. Where the
+        datacenters train apart, each keeps its own progress: the checkpoints' cut records
+        where each starts."""
         info = self.ckpt.distribute() if self.cfg.resume else None
         if self.master:
             if info is not None:
@@ -321,11 +326,11 @@ class Worker:
                 say_resumed(self.resume_path, info["step"], self.ckpt.restore_note)
             elif self.cfg.resume:
                 say(f"geompi: no checkpoint in {self.cfg.checkpoint_dir} yet; starting fresh")
-        if info is not None:  # on every worker alike (broadcast)
+        if self.cfg.resume:  # on every worker alike: the INIT round _make_optimizer left
             send = None
-            if self.master and self.ckpt.server_states() is not None:
+            if info is not None and self.master and self.ckpt.server_states() is not None:
                 send = self.ckpt.send_server_states
-            self.engine.begin({"restore": True} if send else None, send_restore=send)
+            self.engine.start({"restore": True} if send else None, send_restore=send)
         if self.cfg.checkpoint_dir and self.group is not self.comms.all_workers:
             self.ckpt.record_starts()
 

@@ -56,3 +56,50 @@ def test_the_yield_phase_catches_a_quick_answer_without_sleeping():
         backoff=poll.Backoff(first=10.0, cap=10.0),
         yield_s=0.5,
     )  # fmt: skip (a sleep of 10 s would show)
+
+
+class _Beats:
+    """Stand-in for a running geompi.comm.heartbeat.Heartbeat (its thread needs MPI): this
+    rank, each rank's silence, and who announced a loss."""
+
+    def __init__(self, rank: int, silence: dict[int, float]) -> None:
+        self.rank, self.silence = rank, silence
+        self.reporter: int | None = None
+        self.announced = 0
+
+    def silent(self, seconds: float) -> list[tuple[int, float]]:
+        return [(r, s) for r, s in self.silence.items() if s > seconds]
+
+    def announce(self) -> None:
+        self.reporter = self.rank
+        self.announced += 1
+
+
+def _check(beats: _Beats, monkeypatch) -> CommTimeoutError | None:
+    from geompi.comm import heartbeat
+
+    monkeypatch.setattr(heartbeat, "_current", beats)
+    try:
+        poll.Watchdog(5.0, "the workers").check()
+    except CommTimeoutError as e:
+        return e
+    return None
+
+
+def test_the_rank_nearest_a_lost_one_reports_it_and_the_others_end_quietly(monkeypatch):
+    # Rank 3 silent for 6.5 s: its neighbour (rank 2, 1 rank away: 5 + 1 s) reports it and
+    # tells the others; rank 7 (4 ranks away: 5 + 4 s) still waits, then ends without a line.
+    near = _Beats(2, {3: 6.5})
+    err = _check(near, monkeypatch)
+    assert err is not None and not err.quiet and "from rank 3" in str(err)
+    assert near.announced == 1
+    far = _Beats(7, {3: 6.5})
+    assert _check(far, monkeypatch) is None
+    far.silence[3] = 9.5
+    far.reporter = 2  # rank 2's announcement arrived on the heartbeat
+    err = _check(far, monkeypatch)
+    assert err is not None and err.quiet and far.announced == 0
+    # Nobody announced (the near rank was busy computing): the far one reports it itself.
+    alone = _Beats(7, {3: 9.5})
+    err = _check(alone, monkeypatch)
+    assert err is not None and not err.quiet and alone.announced == 1

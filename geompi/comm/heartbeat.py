@@ -34,6 +34,9 @@ class Heartbeat:
         self.last = [now] * self.size  # when each rank was last heard from
         self._out = np.zeros(1, dtype=np.int8)
         self._in = np.zeros(1, dtype=np.int8)
+        self._lost_out = np.ones(1, dtype=np.int8)  # a beat that says: I report a loss
+        self._announced: list[MPI.Request] = []
+        self.reporter: int | None = None  # the rank that reported a loss, if any
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="geompi-heartbeat", daemon=True)
         self._thread.start()
@@ -46,6 +49,8 @@ class Heartbeat:
         while not self._stop.is_set():
             while recv.Test(status):
                 self.last[status.Get_source()] = time.monotonic()
+                if self._in[0] and self.reporter is None:
+                    self.reporter = status.Get_source()
                 recv = self.comm.Irecv(self._in, MPI.ANY_SOURCE, TAG)
             now = time.monotonic()
             if now >= next_beat:
@@ -66,6 +71,16 @@ class Heartbeat:
         """(rank, seconds since it was heard from) of every rank silent for over ``seconds``."""
         now = time.monotonic()
         return [(r, now - t) for r, t in enumerate(self.last) if now - t > seconds]
+
+    def announce(self) -> None:
+        """Tell every rank this one reports a loss, so that the others, which see the same
+        silence, do not report it again before the abort ends them (one line per fault)."""
+        self.reporter = self.rank
+        self._announced = [
+            self.comm.Isend(self._lost_out, peer, TAG)
+            for peer in range(self.size)
+            if peer != self.rank
+        ]
 
     def close(self) -> None:
         """Stop beating (every rank, at the end of the job)."""
@@ -99,6 +114,22 @@ def stop() -> None:
 def lost(timeout: float) -> list[tuple[int, float]]:
     """The ranks silent for over ``timeout`` seconds; [] if there is no heartbeat."""
     return _current.silent(timeout) if _current is not None else []
+
+
+def claim_report() -> bool:
+    """Whether this rank is the one to report a loss: no other rank has announced one (this
+    rank then announces it). False without a heartbeat's report of another rank."""
+    if _current is None:
+        return True
+    if _current.reporter is not None and _current.reporter != _current.rank:
+        return False
+    _current.announce()
+    return True
+
+
+def rank_distance(rank: int) -> int:
+    """How far ``rank`` is from this one in the world (0 without a heartbeat)."""
+    return abs(_current.rank - rank) if _current is not None else 0
 
 
 def active() -> bool:

@@ -19,6 +19,9 @@ from dataclasses import dataclass
 from geompi.comm import faults, heartbeat
 from geompi.errors import CommTimeoutError
 
+STAGGER_S = 1.0  # a lost rank's silence: each rank between it and a waiter adds this
+STAGGER_RANKS = 8  # at most (a lost rank far from every waiter is reported within 8 s more)
+
 
 class Watchdog:
     """The one rule for giving up a wait: a rank silent on the heartbeat for ``timeout``
@@ -39,14 +42,20 @@ class Watchdog:
             if now < self._next:
                 return
             self._next = now + 0.05
-            lost = heartbeat.lost(self.timeout)
-            if lost:
-                rank, silent = lost[0]
-                raise CommTimeoutError(
+            # Every rank sees the same silence: the ranks nearer the lost one report first
+            # (STAGGER_S per rank between them), and one line reports it (the first to speak
+            # announces it on the heartbeat; the others end quietly with the abort).
+            for rank, silent in heartbeat.lost(self.timeout):
+                far = min(heartbeat.rank_distance(rank), STAGGER_RANKS)
+                if silent <= self.timeout + STAGGER_S * far:
+                    continue
+                err = CommTimeoutError(
                     f"no answer for {self.timeout:g} s from rank {rank} (no heartbeat for "
                     f"{silent:.0f} s) while waiting for {self.what}: that rank was lost or is "
                     "stuck; resume with --resume latest, or raise --comm-timeout"
                 )
+                err.quiet = not heartbeat.claim_report()
+                raise err
         elif now > self.deadline:
             raise CommTimeoutError(
                 f"no answer for {self.timeout:g} s while waiting for {self.what}: a rank was "
