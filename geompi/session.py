@@ -133,7 +133,9 @@ def start(
     assert cfg is not None  # planned() made it, or start_job ended the process
     check_node_gpus(cfg.dc_map, topo, comm)  # --dc-map nodes: one warning if workers != GPUs
     if not topo.serverless:  # one process: no peer to watch, nothing to serve
-        heartbeat.start(comm, cfg.comm_timeout)  # so the watchdog can tell idle from lost
+        # so the watchdog can tell idle from lost, and the lost rank's datacenter speaks first
+        home = [topo.dc_of(r) for r in range(comm.Get_size())]
+        heartbeat.start(comm, cfg.comm_timeout, home)
         if cfg.on_failure == "continue":  # waits raise PeerLost instead of failing (ULFM)
             faults.watch(comm, again)
     s = Session(cfg, topo, comms, stats, comm.Get_rank())

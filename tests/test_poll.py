@@ -64,6 +64,7 @@ class _Beats:
 
     def __init__(self, rank: int, silence: dict[int, float]) -> None:
         self.rank, self.silence = rank, silence
+        self.home = [0, 0, 0, 1, 1, 1, 2, 2, None]  # 9 ranks: dc_sizes 3, 3, 2 and one global
         self.reporter: int | None = None
         self.announced = 0
 
@@ -86,20 +87,26 @@ def _check(beats: _Beats, monkeypatch) -> CommTimeoutError | None:
     return None
 
 
-def test_the_rank_nearest_a_lost_one_reports_it_and_the_others_end_quietly(monkeypatch):
-    # Rank 3 silent for 6.5 s: its neighbour (rank 2, 1 rank away: 5 + 1 s) reports it and
-    # tells the others; rank 7 (4 ranks away: 5 + 4 s) still waits, then ends without a line.
-    near = _Beats(2, {3: 6.5})
-    err = _check(near, monkeypatch)
+def test_the_lost_ranks_datacenter_reports_it_and_the_others_end_quietly(monkeypatch):
+    # Rank 3 (datacenter 1) silent for 5.5 s: its local server (rank 5) reports it at once and
+    # tells the others; rank 2 (datacenter 0, 1 rank away) waits 5 + 2 s, then ends without a
+    # line; rank 7 (4 ranks away) 5 + 5 s.
+    own = _Beats(5, {3: 5.5})
+    err = _check(own, monkeypatch)
     assert err is not None and not err.quiet and "from rank 3" in str(err)
-    assert near.announced == 1
-    far = _Beats(7, {3: 6.5})
+    assert own.announced == 1
+    other = _Beats(2, {3: 6.9})
+    assert _check(other, monkeypatch) is None
+    other.silence[3] = 7.1
+    other.reporter = 5  # rank 5's announcement arrived on the heartbeat
+    err = _check(other, monkeypatch)
+    assert err is not None and err.quiet and other.announced == 0
+    far = _Beats(7, {3: 9.9})
     assert _check(far, monkeypatch) is None
-    far.silence[3] = 9.5
-    far.reporter = 2  # rank 2's announcement arrived on the heartbeat
+    # Nobody announced (the lost rank's datacenter was busy): a far one reports it itself.
+    far.silence[3] = 10.1
     err = _check(far, monkeypatch)
-    assert err is not None and err.quiet and far.announced == 0
-    # Nobody announced (the near rank was busy computing): the far one reports it itself.
-    alone = _Beats(7, {3: 9.5})
-    err = _check(alone, monkeypatch)
-    assert err is not None and not err.quiet and alone.announced == 1
+    assert err is not None and not err.quiet and far.announced == 1
+    # A lost global server (no datacenter): the nearest rank first, 1 s a rank and 1 s more.
+    assert _check(_Beats(7, {8: 6.9}), monkeypatch) is None
+    assert _check(_Beats(7, {8: 7.1}), monkeypatch) is not None

@@ -26,8 +26,9 @@ TAG = 7001
 class Heartbeat:
     """A helper thread that beats to every rank of ``comm`` and listens to their beats."""
 
-    def __init__(self, comm, period: float) -> None:
+    def __init__(self, comm, period: float, home: list[int | None] | None = None) -> None:
         self.comm = comm.Dup()
+        self.home = home  # each rank's datacenter (None: a global server), for stagger()
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self.period = period
         now = time.monotonic()
@@ -91,15 +92,17 @@ class Heartbeat:
 _current: Heartbeat | None = None
 
 
-def start(comm, timeout: float | None) -> Heartbeat | None:
+def start(comm, timeout: float | None, home: list[int | None] | None = None) -> Heartbeat | None:
     """Start this rank's heartbeat for a watchdog of ``timeout`` seconds (collective).
+    ``home``: each rank's datacenter (None for a global server), so that a loss is reported
+    first by its own datacenter (:func:`stagger`).
 
     None (and no heartbeat) without a timeout or without MPI_THREAD_MULTIPLE.
     """
     global _current
     if not timeout or MPI.Query_thread() < MPI.THREAD_MULTIPLE:
         return None
-    _current = Heartbeat(comm, period=min(1.0, timeout / 5))
+    _current = Heartbeat(comm, period=min(1.0, timeout / 5), home=home)
     return _current
 
 
@@ -127,9 +130,21 @@ def claim_report() -> bool:
     return True
 
 
-def rank_distance(rank: int) -> int:
-    """How far ``rank`` is from this one in the world (0 without a heartbeat)."""
-    return abs(_current.rank - rank) if _current is not None else 0
+STAGGER_S = 1.0  # per step of distance between a lost rank and a waiter
+STAGGER_RANKS = 8  # at most this many steps of rank distance
+
+
+def stagger(rank: int) -> float:
+    """How much longer than its timeout this rank waits before it reports ``rank`` lost.
+    Every rank sees the same silence, so the nearest reports first: a rank of the lost one's
+    own datacenter at once (its local server is the one waiting on it), others 1 s later per
+    rank between them plus 1 s (at most 9 s). 0 without a heartbeat."""
+    hb = _current
+    if hb is None:
+        return 0.0
+    if hb.home is not None and hb.home[rank] is not None and hb.home[rank] == hb.home[hb.rank]:
+        return 0.0
+    return STAGGER_S * (1 + min(abs(hb.rank - rank), STAGGER_RANKS))
 
 
 def active() -> bool:

@@ -19,9 +19,6 @@ from dataclasses import dataclass
 from geompi.comm import faults, heartbeat
 from geompi.errors import CommTimeoutError
 
-STAGGER_S = 1.0  # a lost rank's silence: each rank between it and a waiter adds this
-STAGGER_RANKS = 8  # at most (a lost rank far from every waiter is reported within 8 s more)
-
 
 class Watchdog:
     """The one rule for giving up a wait: a rank silent on the heartbeat for ``timeout``
@@ -43,11 +40,10 @@ class Watchdog:
                 return
             self._next = now + 0.05
             # Every rank sees the same silence: the ranks nearer the lost one report first
-            # (STAGGER_S per rank between them), and one line reports it (the first to speak
-            # announces it on the heartbeat; the others end quietly with the abort).
+            # (heartbeat.stagger), and one line reports it (the first to speak announces it
+            # on the heartbeat; the others end quietly with the abort).
             for rank, silent in heartbeat.lost(self.timeout):
-                far = min(heartbeat.rank_distance(rank), STAGGER_RANKS)
-                if silent <= self.timeout + STAGGER_S * far:
+                if silent <= self.timeout + heartbeat.stagger(rank):
                     continue
                 err = CommTimeoutError(
                     f"no answer for {self.timeout:g} s from rank {rank} (no heartbeat for "
