@@ -88,6 +88,7 @@ class KVStore:
         # a push round's kind, each push's weight and flags: the algorithm's (gradients summed,
         # or HFA's parameters averaged)
         self._push = algo.kvstore_push(self.num_workers)
+        self._final_at_close = algo.final_model_at_close  # close(): STOP pulls every key
         self._client = PSClient(Link(comms.dc, LAN, stats))
         self._keys: dict[object, _Key] = {}
         self._spec: bytes | None = None
@@ -164,15 +165,15 @@ class KVStore:
     def close(self) -> None:
         """Finish pending work and release the servers (every worker must close; atexit does).
 
-        With ``dist_async`` this waits for every datacenter; afterwards ``pull`` returns the
-        final global values.
+        Where the algorithm ends on the global model at close (``dist_async``: MixedSync) this
+        waits for every datacenter; afterwards ``pull`` returns the final global values.
         """
         if self._closed:
             return
         self._closed = True
         try:
             self.wait()
-            if self.type == "dist_async":
+            if self._final_at_close:
                 entries = sorted(self._keys.values(), key=lambda e: e.id)
                 reqs = self._client.start(Op.STOP, [(e.id, e.value.numel()) for e in entries])
                 for e in entries:

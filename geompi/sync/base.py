@@ -263,9 +263,13 @@ class WorkerSide:
     # A stop between two global rounds goes back to the last one (the global servers still
     # hold its model), rather than adding a round to reach the global model.
     rewinds_to_global: bool = False
-    # The final model exists only once close() has run (MixedSync's, from the global servers):
-    # the last checkpoint is written after it.
-    final_model_at_close: bool = False
+
+    @property
+    def final_model_at_close(self) -> bool:
+        """The final model exists only once close() has run (the algorithm's
+        ``final_model_at_close``: MixedSync's, from the global servers): the last checkpoint
+        is written after it."""
+        return self.e.algo.final_model_at_close
 
     def stop_in_round(self) -> bool | None:
         """How the workers agree on a stop: None after every step (a collective of its own),
@@ -327,6 +331,9 @@ class Algorithm:
     # type, owned by another algorithm, is then refused).
     kvstore_type: ClassVar[str | None] = None
     kvstore_takes: ClassVar[tuple[str, ...]] = ()
+    # The STOP round brings every worker the final global model (MixedSync's, whose datacenters
+    # end apart): a KVStore's close() pulls every key in it, the worker side's too.
+    final_model_at_close: ClassVar[bool] = False
 
     # Its checkpoint sections: where a checkpoint keeps each worker's own optimizer state, a
     # path under /algorithm whose group holds ``worker<i>/<state>/<param>`` (HFA's

@@ -38,7 +38,6 @@ class MixedWorker(FSAServersWorker):
     in the STOP round."""
 
     where = "MixedSync"
-    final_model_at_close = True  # the STOP round brings the final global model
 
     def init_spec(self) -> dict:
         spec = super().init_spec()
@@ -99,6 +98,7 @@ class MixedSync(Algorithm):
     left_with: ClassVar[str] = "the round under way (every deposit made before it is applied)"
     switch_flag: ClassVar[str | None] = "--mixed-sync"  # GeoMX's
     kvstore_type: ClassVar[str | None] = "dist_async"
+    final_model_at_close: ClassVar[bool] = True
     dcasgd: bool = False  # delay-compensated SGD with the user's SGD learning rate
     dcasgd_lambda: float = 0.04
     dcasgd_adaptive: bool = False
