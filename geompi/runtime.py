@@ -135,10 +135,9 @@ def _brief(err: BaseException) -> str:
 def abort(err: BaseException, code: int = 1) -> None:
     """A fault during training: one line from this rank, then abort every rank. A ``quiet``
     error (a loss another rank has reported) only aborts."""
-    if getattr(err, "quiet", False):
-        pass
-    elif isinstance(err, GeompiError):
-        say(PREFIX + str(err))
+    if isinstance(err, GeompiError):
+        if not getattr(err, "quiet", False):
+            say(PREFIX + str(err))
     else:
         traceback.print_exception(err)
         from geompi.comm.faults import abort_reach
