@@ -333,6 +333,11 @@ def test_training_job(slurm, tmp_path, script):
         # HFA checkpoints at global syncs only: the script rounds the default 50 up to a
         # multiple of K1*K2 = 8; 40 steps then leave just the final checkpoint.
         del env["GEOMPI_CKPT_EVERY"]
+        # #13.11: under srun every rank sees every CPU of the node, and torch took one thread
+        # per CPU in every rank, so the ranks thrashed (50x slower than under mpirun). geompi
+        # gives each rank its share of the node's CPUs: the line says so. (How fast srun
+        # trains against mpirun is a benchmark's to measure, not a test's.)
+        env["GEOMPI_LAUNCHER"] = "srun"
     job_id, out = _submit(slurm, JOBS / f"{script}.sbatch", tmp_path, env)
     res = slurm.wait_job(job_id, timeout=JOB_TIMEOUT)
     text = _assert_ok(res, out)
@@ -340,6 +345,8 @@ def test_training_job(slurm, tmp_path, script):
     assert "--resume latest" in text and "--dc-map nodes" in text, text
     if script == "hfa":
         assert "--checkpoint-every 56 " in text, text
+        assert "ranks via srun" in text, text
+        assert "geompi: torch threads per rank: 1 " in text, text
     done = [line for line in text.splitlines() if line.startswith("geompi: done:")]
     assert done and "test_acc=" in done[-1], text
     _verify_checkpoint(_newest_checkpoint(tmp_path / "ckpt"))
@@ -431,66 +438,6 @@ def _summary(metrics: Path) -> dict:
     summaries = [r for r in lines if r.get("summary")]
     assert summaries, f"no summary in {metrics}"
     return summaries[-1]
-
-
-@needs_train
-def test_srun_trains_as_fast_as_mpirun(slurm, tmp_path):
-    """#13.11: under srun every rank sees every CPU of the node, and torch used one thread per
-    CPU in every rank, so the ranks thrashed (52-75x slower than under mpirun here). geompi now
-    gives each rank its share of the node's CPUs. The same 8-rank HFA job runs through
-    tests/mpirun.py (the tests' usual mpirun, OMP_NUM_THREADS=1) and as hfa.sbatch under srun;
-    srun must print the one thread per rank it chose, and the workers' mean compute time under
-    srun must be within 1.5x of mpirun's: the defect was 50x, and the precise ratio is a
-    benchmark's to measure, not a test's (the 10% bound this had failed at 1.12 on a busy
-    machine). Other load moves a single pair by +-30%, so a second and third pair run, in
-    alternating order, only if the first misses; the ratio of the summed compute times counts."""
-    try:
-        from mpirun import mpirun
-    except ImportError:  # tests/ imported as a package
-        from tests.mpirun import mpirun
-
-    steps, flags = "96", ["--sync", "hfa", "--k1", "4", "--k2", "2", "--model", "cnn"]
-    fast, slow, text, ratio = [], [], "", float("inf")
-
-    def with_mpirun(attempt: int) -> float:
-        ref = tmp_path / f"mpirun-{attempt}.jsonl"
-        mpirun(
-            8,
-            ["-m", "geompi.train", *flags, "--steps", steps, "--dc-map", "nodes"]
-            + ["--metrics", str(ref)],
-            timeout=JOB_TIMEOUT,
-        )
-        return _summary(ref)["time_split"]["compute_s"]
-
-    def with_srun(attempt: int) -> float:
-        nonlocal text
-        env = _train_env(
-            tmp_path / f"srun-{attempt}",
-            GEOMPI_LAUNCHER="srun",
-            GEOMPI_STEPS=steps,
-            GEOMPI_EXTRA_ARGS="--model cnn",
-            GEOMPI_CKPT_EVERY="800",
-        )
-        job_id, out = _submit(slurm, JOBS / "hfa.sbatch", tmp_path, env)
-        text = _assert_ok(slurm.wait_job(job_id, timeout=JOB_TIMEOUT), out)
-        assert "8 ranks via srun" in text, text
-        return _summary(Path(env["GEOMPI_METRICS"]))["time_split"]["compute_s"]
-
-    for attempt in range(3):
-        if attempt % 2 == 0:
-            fast.append(with_mpirun(attempt))
-            slow.append(with_srun(attempt))
-        else:
-            slow.append(with_srun(attempt))
-            fast.append(with_mpirun(attempt))
-        ratio = sum(slow) / sum(fast)
-        print(
-            f"compute_s: srun {slow[-1]:.2f} s, mpirun {fast[-1]:.2f} s; ratio so far {ratio:.2f}"
-        )
-        if ratio <= 1.5:
-            break
-    assert ratio <= 1.5, f"srun {slow} s, mpirun {fast} s: ratio {ratio:.2f}\n{text[-3000:]}"
-    assert "geompi: torch threads per rank: 1 " in text, text
 
 
 @needs_train
