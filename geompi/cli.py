@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 import geompi
 
@@ -95,3 +96,24 @@ def train_main(argv: Sequence[str] | None = None) -> int:
     from geompi.runtime import main_needing_mpi
 
     return main_needing_mpi(_load_train, argv)
+
+
+def console() -> NoReturn:
+    """The ``geompi`` console script: :func:`main`, ended by
+    :func:`geompi.runtime.end_process` (no interpreter teardown: 0.35 s of CPU per rank)."""
+    _end(main)
+
+
+def train_console() -> NoReturn:
+    """The ``geompi-train`` console script: :func:`train_main`, ended likewise."""
+    _end(train_main)
+
+
+def _end(command: Callable[[], int]) -> NoReturn:
+    from geompi.runtime import end_process
+
+    try:
+        status: object = command()
+    except SystemExit as e:  # --help, a settings error: as sys.exit would end
+        status = e.code
+    end_process(status)

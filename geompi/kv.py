@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import atexit
 import json
-import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -36,7 +35,7 @@ from geompi.errors import ConfigError
 from geompi.ps.client import PSClient
 from geompi.ps.optim import Spec, spec_to_dict
 from geompi.ps.protocol import MAX_KEYS, Op
-from geompi.runtime import install_excepthook
+from geompi.runtime import end_process, install_excepthook
 
 if TYPE_CHECKING:
     from geompi.sync import Algorithm
@@ -273,7 +272,7 @@ def create(
     s = session.start(config, comm, plan=plan)
     if not s.is_worker:
         session.serve_until_finished(s)
-        sys.exit(0)
+        end_process(0)  # a server rank runs none of the script after create()
     algo = sync.for_kvstore(name, s.cfg).from_config(s.cfg)  # the environment's (HFA's K1, K2)
     s.send_job(algo.job(), None)
     return KVStore(name, s, algo)

@@ -128,6 +128,73 @@ def agree_or_exit(comm, err: BaseException | None) -> None:
     raise SystemExit(2)
 
 
+def end_process(status: object = 0) -> NoReturn:
+    """End this process as ``sys.exit(status)`` at the top of a script would, less the
+    interpreter's teardown. With torch loaded that teardown (freeing a thousand modules one by
+    one) costs about 0.35 s of CPU in every process: 5 s of a 16-rank job's end, on every rank
+    at once. What the teardown is for is kept: threads that are not daemons are joined, the
+    atexit handlers run (logging's flush, geompi's, the user's), MPI ends as mpi4py would end
+    it (``MPI_Finalize``, unless ``mpi4py.rc.finalize`` is False), and every open Python file
+    and C's stdio are flushed. ``status``: None is 0, an int is itself, anything else is
+    printed and is 1, as with ``sys.exit``.
+
+    Only for a process that geompi ends: the entry points of its commands and its server
+    ranks, which run no code of the user's afterwards."""
+    import atexit
+    import threading
+
+    if status is None:
+        code = 0
+    elif isinstance(status, int):
+        code = status
+    else:
+        print(status, file=sys.stderr)
+        code = 1
+    me = threading.current_thread()
+    for t in threading.enumerate():
+        if t is not me and not t.daemon:
+            t.join()
+    atexit._run_exitfuncs()
+    _finalize_mpi()
+    _flush_everything()
+    os._exit(code & 0xFF)
+
+
+def _finalize_mpi() -> None:
+    """``MPI_Finalize`` where mpi4py would call it at exit (it initialized MPI, its
+    ``rc.finalize`` is not False) and nothing has yet."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None:
+        return
+    import mpi4py
+
+    if getattr(mpi4py.rc, "finalize", None) is False:
+        return
+    if mpi.Is_initialized() and not mpi.Is_finalized():
+        mpi.Finalize()
+
+
+def _flush_everything() -> None:
+    """Flush every open Python file object (the teardown would, freeing them) and C's stdio."""
+    import ctypes
+    import gc
+    import io
+
+    # type(), not isinstance(): an isinstance() on every object costs 3x more, and asks some
+    # of torch's deprecated names for their class, which warns
+    kinds = {io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom}
+    for f in [sys.stdout, sys.stderr] + [o for o in gc.get_objects() if type(o) in kinds]:
+        try:
+            if not f.closed and f.writable():
+                f.flush()
+        except Exception:  # noqa: BLE001, S110 - a file that cannot flush: as the teardown
+            pass
+    try:
+        ctypes.CDLL(None).fflush(None)
+    except Exception:  # noqa: BLE001, S110 - no C library to flush through: nothing buffered
+        pass
+
+
 def _brief(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}"
 

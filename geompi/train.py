@@ -15,14 +15,18 @@ if __name__ == "__main__":
     # load it) is turned into one line saying what to install.
     import sys
 
-    from geompi.runtime import main_needing_mpi
+    from geompi.runtime import end_process, main_needing_mpi
 
     def _load_main():
         from geompi.train import main
 
         return main
 
-    sys.exit(main_needing_mpi(_load_main))
+    try:
+        status = main_needing_mpi(_load_main)
+    except SystemExit as e:  # a settings error: exit 2 on every rank, as from main()
+        status = e.code
+    end_process(status)  # without the interpreter's teardown (0.35 s of CPU per rank)
 
 import copy
 import json

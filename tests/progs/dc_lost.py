@@ -12,6 +12,7 @@ import sys
 import torch
 
 from geompi.config import make_config
+from geompi.runtime import end_process
 from geompi.train import train
 
 sync, out, rest = sys.argv[1], sys.argv[2], sys.argv[3:]
@@ -44,3 +45,4 @@ if s is not None:
     torch.save(s.pop("model"), f"{out}/model.pt")
     with open(f"{out}/summary.json", "w") as f:
         json.dump(s, f)
+end_process(0)  # as python -m geompi.train ends: no interpreter teardown

@@ -12,6 +12,7 @@ import sys
 import torch
 
 from geompi.config import make_config
+from geompi.runtime import end_process
 from geompi.train import train
 
 out = sys.argv[1]
@@ -51,3 +52,4 @@ if results:
     with open(f"{out}/cases.json", "w") as f:
         cases = {name: CASES[name.removesuffix("+staged")] for name in only}
         json.dump({"cases": cases, "common": COMMON, "results": results}, f)
+end_process(0)  # as python -m geompi.train ends: no interpreter teardown

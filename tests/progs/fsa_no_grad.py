@@ -6,6 +6,7 @@ import sys
 import torch
 
 from geompi.config import make_config
+from geompi.runtime import end_process
 from geompi.train import train
 
 out = sys.argv[1]
@@ -33,3 +34,4 @@ for name, case in CASES.items():
         summary = train(cfg)
         if summary is not None:
             torch.save(summary["model"], f"{out}/{run}.pt")
+end_process(0)  # as python -m geompi.train ends: no interpreter teardown

@@ -6,6 +6,7 @@ import sys
 import torch
 
 from geompi.config import make_config
+from geompi.runtime import end_process
 from geompi.train import train
 
 out = sys.argv[1]
@@ -29,3 +30,4 @@ for weighting in ("samples", "uniform"):
     s = train(make_config(env={}, **COMMON, hfa_weighting=weighting))
     if s is not None:
         torch.save(s["model"], f"{out}/{weighting}.pt")
+end_process(0)  # as python -m geompi.train ends: no interpreter teardown

@@ -6,6 +6,7 @@ import sys
 import torch
 
 from geompi.config import make_config
+from geompi.runtime import end_process
 from geompi.train import train
 
 out = sys.argv[1]
@@ -31,3 +32,4 @@ for sync in ("fsa", "mixed"):
 if rec:
     with open(f"{out}/rec.json", "w") as f:
         json.dump(rec, f)
+end_process(0)  # as python -m geompi.train ends: no interpreter teardown

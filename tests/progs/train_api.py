@@ -14,6 +14,7 @@ import torch
 
 import geompi.models
 from geompi.config import make_config
+from geompi.runtime import end_process
 from geompi.train import train
 
 out, args = sys.argv[1], sys.argv[2:]
@@ -60,3 +61,4 @@ if const:
 summary = train(make_config(args))
 if summary is not None:
     torch.save(summary["model"], f"{out}/final.pt")
+end_process(0)  # as python -m geompi.train ends: no interpreter teardown

@@ -15,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-from geompi.runtime import install_signal_handlers, launcher_rank
+from geompi.runtime import end_process, install_signal_handlers, launcher_rank
 
 install_signal_handlers()  # as python -m geompi.train: a stop signal at start-up is not fatal
 
@@ -61,3 +61,4 @@ if __name__ == "__main__":
     for i, r in enumerate(spec):
         run(out, i, r["args"], r.get("env", {}))
         MPI.COMM_WORLD.Barrier()  # no rank starts a run while another still ends the last
+    end_process(0)  # as python -m geompi.train ends: no interpreter teardown

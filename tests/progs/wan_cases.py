@@ -11,6 +11,7 @@ import sys
 import torch
 
 from geompi.config import make_config
+from geompi.runtime import end_process
 from geompi.train import train
 
 out = sys.argv[1]
@@ -59,3 +60,4 @@ if record:
     n = sum(t.numel() for t in torch.load(f"{out}/fsa_none_6.pt").values())
     with open(f"{out}/cases.json", "w") as f:
         json.dump({"record": record, "numel": n, "common": COMMON}, f)
+end_process(0)  # as python -m geompi.train ends: no interpreter teardown

@@ -15,6 +15,7 @@ from mpi4py import MPI
 
 import geompi.models
 from geompi.config import make_config
+from geompi.runtime import end_process
 from geompi.train import train
 from tests.reference import FidelityNet
 
@@ -76,3 +77,4 @@ for name, (model_kw, nan, cfg) in CASES.items():
         record[name] = {k: s[k] for k in ("steps", "skipped_nonfinite", "wan_data_bytes")}
         with open(f"{out}/cases.json", "w") as f:  # after each case: a later abort keeps it
             json.dump({"record": record, "common": COMMON, "nan": [NAN_STEP, NAN_RANK]}, f)
+end_process(0)  # as python -m geompi.train ends: no interpreter teardown
