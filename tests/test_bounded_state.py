@@ -11,8 +11,8 @@ import torch
 
 from geompi.checkpointing import Checkpointing
 from geompi.comm.topology import Topology
-from geompi.ps.async_tier import StalenessStats
 from geompi.sync import HFA
+from geompi.sync.mixed import StalenessStats
 
 
 def test_staleness_statistics_stay_bounded():

@@ -1,5 +1,6 @@
-"""MixedSync's global tier: local servers deposit into global servers' RMA windows, without
-waiting for other datacenters; each global server applies deposits in arrival order.
+"""The one-sided global tier (MixedSync's mechanism): local servers deposit into global servers'
+RMA windows, without waiting for other datacenters; each global server applies deposits in
+arrival order, as its policy (geompi.ps.policy.AsyncPolicy) says.
 
 The start (INIT rounds) is synchronous. A local server's first gradient round sends an ASYNC
 header to every global server, after which all of them create the windows together.
@@ -16,6 +17,7 @@ import json
 import os
 import threading
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -49,7 +51,7 @@ from geompi.comm.transport import (
 from geompi.errors import ConfigError, ProtocolError
 from geompi.ps.global_server import GlobalServer
 from geompi.ps.local_server import SyncUplink
-from geompi.ps.optim import spec_from_dict
+from geompi.ps.policy import AsyncPolicy
 from geompi.ps.protocol import (
     FLAG_PRESENCE,
     FLAG_SPEC,
@@ -83,68 +85,6 @@ def _open_windows(comm, topo: Topology, keys: list[tuple[int, int]], stats, time
         slot_len = sum(max(4 * m, region_bytes(codec, m)) for m in sizes) // 4
         wins.append(SlotWindows(comm, d + g, d, max(slot_len, 1), stats, timeout))
     return wins
-
-
-class StalenessStats:
-    """Staleness of the applied deposits as a histogram and per-datacenter figures.
-
-    A list of every update grew without bound (about 1 GB a day at the soak's rate) and went
-    to rank 0 as one JSON line. Exact counts up to ``EXACT``, then power-of-two buckets, so
-    the size is bounded by about EXACT + 64 entries.
-    """
-
-    EXACT = 64
-
-    def __init__(self, num_dcs: int) -> None:
-        self.hist: dict[str, int] = {}
-        self.count = [0] * num_dcs
-        self.total = [0] * num_dcs
-        self.max = [0] * num_dcs
-        self.at_first_done: list[int] | None = None
-
-    @classmethod
-    def bucket(cls, s: int) -> str:
-        if s < cls.EXACT:
-            return str(s)
-        lo = 1 << (s.bit_length() - 1)
-        return f"{lo}-{2 * lo - 1}"
-
-    def record(self, dc: int, staleness: int) -> None:
-        b = self.bucket(staleness)
-        self.hist[b] = self.hist.get(b, 0) + 1
-        self.count[dc] += 1
-        self.total[dc] += staleness
-        self.max[dc] = max(self.max[dc], staleness)
-
-    def renumber(self, kept: list[int]) -> None:
-        """Keep the figures of the datacenters ``kept`` (old numbers), in their order (after a
-        recovery); the histogram keeps every deposit applied."""
-        self.count = [self.count[d] for d in kept]
-        self.total = [self.total[d] for d in kept]
-        self.max = [self.max[d] for d in kept]
-        if self.at_first_done is not None:
-            self.at_first_done = [self.at_first_done[d] for d in kept]
-
-    def first_done(self, applied: list[int]) -> None:
-        """The deposits applied per datacenter when the first one finished (once)."""
-        if self.at_first_done is None:
-            self.at_first_done = list(applied)
-
-    def as_dict(self) -> dict:
-        n = sum(self.count)
-        return {
-            "staleness_histogram": dict(
-                sorted(self.hist.items(), key=lambda kv: int(kv[0].split("-")[0]))
-            ),
-            "staleness_updates": n,
-            "max_staleness_seen": max(self.max, default=0),
-            "mean_staleness": sum(self.total) / n if n else 0.0,
-            "staleness_per_dc": [
-                {"updates": c, "mean": t / c if c else 0.0, "max": m}
-                for c, t, m in zip(self.count, self.total, self.max)
-            ],
-            "updates_at_first_done": self.at_first_done or list(self.count),
-        }
 
 
 class AsyncUplink:
@@ -426,9 +366,14 @@ def _codec(codec: TierCodec | None, i: int, plain) -> TierCodec | None:
 
 
 class AsyncGlobalServer(GlobalServer):
-    """A global server of MixedSync: sync INIT rounds, then apply deposits as they arrive."""
+    """A global server of the one-sided tier: sync INIT rounds, then apply deposits as they
+    arrive; what a deposit does to this shard, its ``async_policy`` says (geompi.ps.policy)."""
 
     final_snapshot = False  # the spec's ``final_snapshot``: a last snapshot once all are done
+
+    def __init__(self, *args: Any, async_policy: AsyncPolicy, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.async_policy = async_policy
 
     def configure(self, spec: dict) -> None:
         super().configure(spec)
@@ -474,26 +419,16 @@ class AsyncGlobalServer(GlobalServer):
             self.offsets[k] = (off, hi - lo)
             off += hi - lo
         self.wins = _open_windows(self.link.comm, self.topo, keys, self.stats, None, self.codec)
+        self.async_policy.start(self.optimizer, self.topo.num_dcs)
         for k in self.offsets:  # every datacenter received the INIT values exactly
             for d in range(self.topo.num_dcs):
                 if self.codec is not None:
                     self.codec.set_replica((k, d), self.values[k])
                 self._pulled(k, d)  # DCASGD: w_bak[d] starts at w0 (also after a resume)
         self.win = self.wins[self.index]
-        self.staleness = StalenessStats(self.topo.num_dcs)  # bounded, however long the run
         self.last_version = [0] * self.topo.num_dcs
         self.applied = [0] * self.topo.num_dcs  # deposits applied per datacenter (this run)
         self.samples_applied = 0.0  # their weights: the samples the model has seen (this run)
-        # Each datacenter's deposits are stepped with its own hyperparameters: the job's
-        # until its first worker sends new ones (FLAG_SPEC), as a schedule changes them.
-        opt = self.optimizer
-        self.job_hyper = None if opt is None else (opt.spec, opt.groups)
-        self.dc_hyper: dict[int, tuple] = {}
-        self.dc_means: dict[int, dict[int, tuple[float, torch.Tensor]]] = {}  # key -> dc ->
-        self.mean_init: dict[int, torch.Tensor] = {}
-        # applied order: what GEOMPI_TEST_DEPOSIT_LOG writes (kept only then: it grows)
-        self.deposits: list[dict] | None = [] if os.environ.get("GEOMPI_TEST_DEPOSIT_LOG") else None
-        self.dc_names = list(range(self.topo.num_dcs))  # each one's number at the job's start
         self._abandoned: list[SlotWindows] = []  # a lost rank's windows: never freed
 
     def _rejoin_async(self, loss: faults.Loss) -> None:
@@ -511,7 +446,7 @@ class AsyncGlobalServer(GlobalServer):
             for ls in range(len(kept))  # the surviving local servers, renumbered
         ]
         ctrl = self._counters()
-        for d in range(len(self.dc_names)):
+        for d in range(len(self.applied)):  # the datacenters before the loss
             if per_dc(ctrl, d, PENDING) > 0:  # a lost datacenter's new hyperparameters: gone
                 self._apply_deposit(d, ctrl, spec=specs[kept.index(d)] if d in kept else "")
         self._renumber(kept)
@@ -543,18 +478,9 @@ class AsyncGlobalServer(GlobalServer):
 
     def _renumber(self, kept: list[int]) -> None:
         """Per-datacenter state, for the datacenters ``kept`` (old numbers), in their order."""
-        new = {d: i for i, d in enumerate(kept)}
-        self.dc_names = [self.dc_names[d] for d in kept]
         self.last_version = [self.last_version[d] for d in kept]
         self.applied = [self.applied[d] for d in kept]
-        self.dc_hyper = {new[d]: h for d, h in self.dc_hyper.items() if d in new}
-        self.dc_means = {
-            k: {new[d]: m for d, m in means.items() if d in new}
-            for k, means in self.dc_means.items()
-        }
-        self.staleness.renumber(kept)
-        if self.optimizer is not None:
-            self.optimizer.renumber_dcs(new)
+        self.async_policy.renumber(kept)
 
     def _serve_async(self) -> None:
         win, ndc = self.win, self.topo.num_dcs
@@ -576,7 +502,7 @@ class AsyncGlobalServer(GlobalServer):
             if not pending:
                 done = [per_dc(ctrl, d, DONE) for d in range(ndc)]
                 if any(done):
-                    self.staleness.first_done(self.applied)
+                    self.async_policy.done(self.applied)
                 if all(done):
                     break
                 poller.backoff.sleep()
@@ -628,8 +554,8 @@ class AsyncGlobalServer(GlobalServer):
         return cut
 
     def _apply_deposit(self, d: int, ctrl: np.ndarray, spec: str | None = None) -> None:
-        """Apply datacenter d's pending deposit (``spec``: its new hyperparameters where they
-        cannot be received, after a recovery; see _use_hyperparameters)."""
+        """Apply datacenter d's pending deposit, as the policy says (``spec``: its new
+        hyperparameters where they cannot be received, after a recovery; see _deposit_spec)."""
         win = self.win
         keys = deposit_keys(ctrl, d)
         weight, flags = per_dc(ctrl, d, WEIGHT), int(per_dc(ctrl, d, FLAGS))
@@ -645,7 +571,7 @@ class AsyncGlobalServer(GlobalServer):
         if pos is not None:
             regions.insert(0, regions.pop(pos))
         self._present = None
-        self._use_hyperparameters(d, flags, spec)
+        self.async_policy.hyperparameters(d, self._deposit_spec(d, flags, spec))
         win.sync()  # the slot as deposited (its PENDING was seen: the data is in place)
         version = int(win.ctrl[VERSION])
         for k, at, codec in regions:
@@ -655,9 +581,13 @@ class AsyncGlobalServer(GlobalServer):
             else:
                 total = codec.decode_push(slot[at : at + codec.nbytes(n)].clone(), n)
             if k == mean_key:
-                self.apply_mean(k, total, weight, dc=d)
-            else:
+                self.async_policy.mean(d, k, self.values[k], total, weight)
+            elif k == self.presence_key or k not in self.values:  # as a synchronous round
                 self.apply(rnd, k, total, weight, dc=d)
+            else:
+                self.updates += 1
+                present = self._presence(k)
+                self.async_policy.step(d, k, self.values[k], total, weight, flags, present)
             result = self.values[k] if codec is None else codec.encode_pull((k, d), self.values[k])
             if k != mean_key:  # also after a skipped (weight 0) deposit: d fetches w anyway
                 self._pulled(k, d)
@@ -665,13 +595,8 @@ class AsyncGlobalServer(GlobalServer):
             slot[at : at + result.numel()] = result
         win.sync()
         self.stats.received[WAN] += off  # what the deposit brought in (counted here, at the owner)
-        self.staleness.record(d, version - self.last_version[d])
-        ticket = int(per_dc(ctrl, d, PENDING))
-        if self.deposits is not None:
-            self.deposits.append(
-                {"dc": self.dc_names[d], "ticket": ticket, "weight": float(weight), "keys": keys,
-                 "in_recovery": spec is not None}
-            )  # fmt: skip
+        ticket, staleness = int(per_dc(ctrl, d, PENDING)), version - self.last_version[d]
+        self.async_policy.applied(d, ticket, weight, keys, staleness, spec is not None)
         win.ctrl[VERSION] = version + 1
         set_per_dc(win.ctrl, d, UPDATES, per_dc(win.ctrl, d, UPDATES) + 1)
         win.sync()
@@ -684,71 +609,41 @@ class AsyncGlobalServer(GlobalServer):
             # once it has applied N deposits
             faults.kill_self(self.world.Get_rank())
 
-    def apply_mean(self, key: int, total: torch.Tensor, weight: float, dc=None) -> None:
-        """A datacenter's buffers (a mean key): kept per datacenter, and what it fetches back
-        is its own mean, so its buffers follow its own data as in one synchronous datacenter.
-        The final model carries their sample-weighted mean (``_publish_final``)."""
-        init = self.mean_init.setdefault(key, self.values[key].clone())  # only changed here
-        means = self.dc_means.setdefault(key, {})
-        if weight > 0:  # weight 0: a skipped deposit keeps what the datacenter had
-            means[dc] = (weight, total / weight)
-        self.values[key].copy_(means[dc][1] if dc in means else init)
-
-    def _final_means(self) -> None:
-        """Every mean key's value becomes the datacenters' latest means, weighted by the
-        samples of the deposit that brought each (in datacenter order, so every owner agrees)."""
-        for key, means in self.dc_means.items():
-            if means:
-                total = sum(w for w, _ in means.values())
-                value = sum(m * (w / total) for _, (w, m) in sorted(means.items()))
-                self.values[key].copy_(value)
-
-    def _use_hyperparameters(self, d: int, flags: int, text: str | None = None) -> None:
-        """Step datacenter d's deposit with its own hyperparameters (received first, if this
-        deposit brings new ones and ``text`` is not them). ``text`` "": they cannot arrive (a
-        lost datacenter's last deposit), so it is stepped with those it had before."""
-        if flags & FLAG_SPEC and text != "":
-            if text is None:
-                text = recv_state(
-                    self.link.comm, d, TAG_DEPOSIT_SPEC, self.stats,
-                    live_timeout(getattr(self, "timeout", None)),
-                    f"the hyperparameters of datacenter {d}",
-                )  # fmt: skip
-            if not isinstance(text, str):
-                raise ProtocolError(f"datacenter {d} sent hyperparameters that are not JSON text")
-            spec = json.loads(text)
-            groups = [spec_from_dict(g) for g in spec.get("groups") or []] or None
-            main = spec_from_dict(spec["optimizer"])
-            self.dc_hyper[d] = (main, groups or [main])
-        if self.optimizer is None:
-            return
-        want = self.dc_hyper.get(d, self.job_hyper)
-        if want != (self.optimizer.spec, self.optimizer.groups):
-            self.optimizer.update(*want)
+    def _deposit_spec(self, d: int, flags: int, text: str | None = None) -> dict | None:
+        """The new hyperparameters datacenter d's deposit brings (received first, unless
+        ``text`` is them), or None if it brings none. ``text`` "": they cannot arrive (a lost
+        datacenter's last deposit), so it is stepped with those it had before."""
+        if not flags & FLAG_SPEC or text == "":
+            return None
+        if text is None:
+            text = recv_state(
+                self.link.comm, d, TAG_DEPOSIT_SPEC, self.stats,
+                live_timeout(getattr(self, "timeout", None)),
+                f"the hyperparameters of datacenter {d}",
+            )  # fmt: skip
+        if not isinstance(text, str):
+            raise ProtocolError(f"datacenter {d} sent hyperparameters that are not JSON text")
+        return json.loads(text)
 
     def _pulled(self, k: int, d: int) -> None:
-        """Tell the optimizer what datacenter d holds of key k now: with a codec its replica
+        """Tell the policy what datacenter d holds of key k now: with a codec its replica
         (what ``decode_pull`` gave it), else the values themselves."""
-        if self.optimizer is None or k == self.presence_key:
+        if k == self.presence_key:
             return
         n = self.offsets[k][1]
         held = self.values[k] if self.codec is None else self.codec.reference((k, d), n)
-        self.optimizer.pulled(k, d, held)
+        self.async_policy.pulled(d, k, held)
 
     def _write_deposit_log(self) -> None:
-        """Test hook: ``GEOMPI_TEST_DEPOSIT_LOG=DIR`` writes the applied deposits (dc, ticket,
-        weight, keys) in order, and this server's slice of each key, to DIR/deposits-g<i>.json."""
-        directory = os.environ.get("GEOMPI_TEST_DEPOSIT_LOG")
-        if not directory:
-            return
+        """Test hook: the policy may write what was applied, with this server's slice of each
+        key."""
         bounds = {k: self.topo.shard_bounds(n, self.index) for k, n in self.key_sizes}
-        with open(os.path.join(directory, f"deposits-g{self.index}.json"), "w") as f:
-            json.dump({"index": self.index, "bounds": bounds, "deposits": self.deposits}, f)
+        self.async_policy.write_log(self.index, bounds)
 
     def _publish_final(self) -> None:
         """Every slot gets the final parameters, then ALL_DONE releases the local servers."""
         win = self.win
-        self._final_means()
+        self.async_policy.finish(self.values)
         for d in range(self.topo.num_dcs):
             slot = torch.from_numpy(win.slot(d))
             for k, (off, n) in self.offsets.items():
@@ -763,7 +658,7 @@ class AsyncGlobalServer(GlobalServer):
         ctrl = self.win.ctrl
         return {
             **super().report(),
-            **self.staleness.as_dict(),
+            **self.async_policy.report(),
             "dc_updates": [int(per_dc(ctrl, d, UPDATES)) for d in range(self.topo.num_dcs)],
             "samples_applied": int(self.samples_applied),
         }

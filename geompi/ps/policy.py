@@ -4,20 +4,24 @@ The round engine moves a round's keys and sums them; what a round means beyond t
 algorithm's: which keys of a datacenter round go on to the global tier now, which stay in the
 datacenter and which go up overlapped (their result merged at a later round), how a late global
 result merges into a datacenter's values, and what a global server does with the average of a
-value round. The local server asks a ``LocalPolicy``, the global server a ``GlobalPolicy``; the
-algorithms (geompi.sync) implement them beside their worker side. This module defines the
-questions and the plain answers (every key up now; the average assigned), and names no
-algorithm.
+value round. The local server asks a ``LocalPolicy``, the global server a ``GlobalPolicy``, and a
+global server of the one-sided tier (geompi.ps.async_tier) an ``AsyncPolicy`` about each deposit
+it applies; the algorithms (geompi.sync) implement them beside their worker side. This module
+defines the questions and the plain answers (every key up now; the average assigned), and names
+no algorithm.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from geompi.ps.protocol import Round
+
+if TYPE_CHECKING:
+    from geompi.ps.optim import ServerOptimizer
 
 # The section of a global server's snapshot (and of the state restored into it) that holds its
 # policy's per-key state; geompi.checkpointing reads it under this name.
@@ -95,6 +99,92 @@ class GlobalPolicy(Protocol):
         ...
 
     def load_state_dict(self, state: dict[int, dict[str, torch.Tensor]]) -> None: ...
+
+
+class AsyncPolicy(Protocol):
+    """What a global server of the one-sided tier (geompi.ps.async_tier) asks about the
+    deposits it applies: one datacenter's gradient round at a time, in arrival order.
+
+    The tier moves the deposits and their results, decodes them, counts them (tickets,
+    versions, the agreed cut) and handles the presence key; what a deposit does to this shard's
+    values, and the figures kept about the deposits, are the policy's.
+    """
+
+    def start(self, optimizer: ServerOptimizer | None, num_dcs: int) -> None:
+        """The tier begins (after the INIT rounds): this shard's hosted optimizer as the INIT
+        rounds configured it (None: a deposit's sum becomes the value), ``num_dcs``
+        datacenters, numbered 0 .. num_dcs - 1."""
+        ...
+
+    def hyperparameters(self, dc: int, spec: dict | None) -> None:
+        """Datacenter ``dc``'s deposit is applied next; ``spec``: the hyperparameters it
+        brings (the master worker's spec form: ``optimizer``, ``groups``), None if none new."""
+        ...
+
+    def step(
+        self,
+        dc: int,
+        key: int,
+        value: torch.Tensor,
+        total: torch.Tensor,
+        weight: float,
+        flags: int,
+        present: list[bool] | None,
+    ) -> None:
+        """A gradient key of ``dc``'s deposit: ``total`` the sum over its ``weight`` samples
+        (``flags``: the deposit's round flags; ``present``: per piece of the key, whether it
+        has a gradient). Updates this shard's ``value`` in place (``total`` may be reused)."""
+        ...
+
+    def mean(
+        self, dc: int, key: int, value: torch.Tensor, total: torch.Tensor, weight: float
+    ) -> None:
+        """A mean key of ``dc``'s deposit (the workers' buffers times their weight): ``value``
+        becomes what ``dc`` fetches back, in place."""
+        ...
+
+    def pulled(self, dc: int, key: int, held: torch.Tensor) -> None:
+        """Datacenter ``dc`` holds ``held`` of ``key`` now: at the start and after each of its
+        deposits (not for the presence key, nor after a mean key)."""
+        ...
+
+    def applied(
+        self,
+        dc: int,
+        ticket: int,
+        weight: float,
+        keys: list[int],
+        staleness: int,
+        recovering: bool,
+    ) -> None:
+        """``dc``'s deposit (its ``ticket``, ``weight`` and ``keys``) is applied; ``staleness``:
+        the deposits of others applied since its previous one; ``recovering``: applied after a
+        loss, with the hyperparameters its local server sent then."""
+        ...
+
+    def done(self, applied: list[int]) -> None:
+        """No deposit pending and a datacenter finished; ``applied``: the deposits applied per
+        datacenter (this run)."""
+        ...
+
+    def renumber(self, kept: list[int]) -> None:
+        """After a recovery: the datacenters ``kept`` (old numbers) are 0 .. len(kept) - 1, in
+        that order; the lost ones are gone."""
+        ...
+
+    def finish(self, values: dict[int, torch.Tensor]) -> None:
+        """Every datacenter finished: this shard's final ``values``, in place, before they are
+        published."""
+        ...
+
+    def report(self) -> dict:
+        """What the policy adds to its server's summary."""
+        ...
+
+    def write_log(self, index: int, bounds: dict[int, tuple[int, int]]) -> None:
+        """The tier ended on global server ``index`` (its slice ``bounds`` of each key): a
+        test hook may write what was applied."""
+        ...
 
 
 class UpNow:

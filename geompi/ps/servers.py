@@ -7,7 +7,7 @@ from geompi.comm.transport import WAN, Link, LinkStats
 from geompi.ps.async_tier import AsyncGlobalServer, AsyncUplink
 from geompi.ps.global_server import GlobalServer
 from geompi.ps.local_server import LocalServer, SyncUplink
-from geompi.ps.policy import GlobalPolicy, LocalPolicy
+from geompi.ps.policy import AsyncPolicy, GlobalPolicy, LocalPolicy
 from geompi.ps.wan import TierCodec, WanSettings
 
 
@@ -16,9 +16,9 @@ def build_server(
     comms: Communicators,
     stats: LinkStats,
     *,
-    asynchronous: bool = False,
     local_policy: LocalPolicy | None = None,
     global_policy: GlobalPolicy | None = None,
+    async_policy: AsyncPolicy | None = None,
     on_nonfinite: str = "abort",
     timeout: float | None = None,
     max_staleness: int | None = None,
@@ -26,9 +26,10 @@ def build_server(
     wan: WanSettings | None = None,
 ) -> LocalServer | GlobalServer:
     """The LocalServer or GlobalServer of this rank. The algorithms (geompi.sync) choose the
-    settings: ``asynchronous`` puts the one-sided global tier in, and the policies
-    (geompi.ps.policy; the plain ones where None) say what the local server does with a round
-    (``local_policy``) and what the global server does with a value round (``global_policy``).
+    settings: the policies (geompi.ps.policy; the plain ones where None) say what the local
+    server does with a round (``local_policy``) and what the global server does with a value
+    round (``global_policy``); an ``async_policy`` puts the one-sided global tier in, and says
+    what its global servers do with each deposit.
 
     ``wan`` emulates the links (at the local servers, which own their datacenter's WAN link)
     and sets the global tier's compression (on both tiers' servers).
@@ -39,9 +40,11 @@ def build_server(
     compressor = wan.compressor()
     codec = TierCodec(compressor) if compressor.name != "none" else None
     if role is Role.GLOBAL_SERVER:  # staggered: the local servers' watchdog speaks first
-        cls = AsyncGlobalServer if asynchronous else GlobalServer
-        return cls(
-            comms, topo, stats, timeout=timeout and 2 * timeout, codec=codec, policy=global_policy
+        later = timeout and 2 * timeout
+        if async_policy is None:
+            return GlobalServer(comms, topo, stats, later, codec, global_policy)
+        return AsyncGlobalServer(
+            comms, topo, stats, later, codec, global_policy, async_policy=async_policy
         )
     if role is not Role.LOCAL_SERVER:
         raise ValueError(f"rank {rank} is a worker, not a server")
@@ -52,7 +55,7 @@ def build_server(
     uplink = SyncUplink(
         Link(comms.glob, WAN, stats), topo, timeout and 3 * timeout + 0.5 * dc, wan.wan, codec
     )
-    if asynchronous:
+    if async_policy is not None:
         uplink = AsyncUplink(uplink, topo, dc, max_staleness)
     return LocalServer(
         comms,

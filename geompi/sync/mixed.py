@@ -5,21 +5,24 @@ from backward hooks, parameters pulled after); at the end every worker receives 
 global model.
 Server side: the local server deposits its datacenter's gradient into the global servers' RMA
 windows and fetches the parameters its own update produced, without waiting for the other
-datacenters; the global servers step (the allow-list, or DCASGD) on each deposit, with the
-hyperparameters of the datacenter that made it (its first worker sends them when a schedule
-changes them, as a counted control message ahead of the deposit).
+datacenters (the mechanism: geompi.ps.async_tier); the global servers step (the allow-list, or
+DCASGD) on each deposit, with the hyperparameters of the datacenter that made it (its first
+worker sends them when a schedule changes them, as a counted control message ahead of the
+deposit): the policy ``MixedDeposits`` below.
 """
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import torch
 
 from geompi.errors import ConfigError, positive_number
-from geompi.ps.optim import DCASGD, SGD, spec_to_dict
-from geompi.ps.protocol import Op
+from geompi.ps.optim import DCASGD, SGD, ServerOptimizer, Spec, spec_from_dict, spec_to_dict
+from geompi.ps.protocol import FLAG_RAW, FLAG_SUM, Op
 from geompi.sync.base import Algorithm, Engine, WanPattern, WorkerSide, whole_number
 from geompi.sync.fsa import (
     FSAServersWorker,
@@ -92,7 +95,7 @@ class MixedSync(Algorithm):
     name: ClassVar[str] = "mixed"
     independent_dcs: ClassVar[bool] = True
     # Each datacenter's first worker sends its hyperparameters when they change; a deposit is
-    # stepped with its own datacenter's (geompi.ps.async_tier).
+    # stepped with its own datacenter's (MixedDeposits).
     follows_hyperparameters: ClassVar[bool] = True
     default_momentum: ClassVar[float] = 0.5  # the CLI's: asynchrony adds implicit momentum
     left_with: ClassVar[str] = "the round under way (every deposit made before it is applied)"
@@ -202,10 +205,16 @@ class MixedSync(Algorithm):
 
         default = common.pop("max_staleness", None)
         staleness = self.max_staleness if self.max_staleness is not None else default
-        policies = {"local_policy": self.local_policy(), "global_policy": self.global_policy()}
-        return build_server(
-            topo, comms, stats, asynchronous=True, max_staleness=staleness, **policies, **common
-        )
+        policies = {
+            "local_policy": self.local_policy(),
+            "global_policy": self.global_policy(),
+            "async_policy": self.async_policy(),
+        }
+        return build_server(topo, comms, stats, max_staleness=staleness, **policies, **common)
+
+    def async_policy(self) -> MixedDeposits:
+        """What the global servers do with each deposit (geompi.ps.policy.AsyncPolicy)."""
+        return MixedDeposits()
 
     def wan_pattern(self, global_servers: int) -> WanPattern:
         """One deposit and one fetch a step, the whole model each way. Latencies
@@ -213,3 +222,196 @@ class MixedSync(Algorithm):
         server its ticket (a round trip) and pending flag (one way) and a poll of the counters
         (a round trip), and the fetch's request and data (a round trip): 3 + 5 G."""
         return WanPattern("MixedSync", steps=1, shares=(1.0,), trips=3 + 5 * global_servers)
+
+
+# ---- the server policy (geompi.ps.policy.AsyncPolicy) ------------------------------------------
+DEPOSIT_LOG = "GEOMPI_TEST_DEPOSIT_LOG"
+Hyper = tuple[Spec, list[Spec]]  # an optimizer's spec and its param groups' (ServerOptimizer)
+
+
+class StalenessStats:
+    """Staleness of the applied deposits as a histogram and per-datacenter figures.
+
+    A list of every update grew without bound (about 1 GB a day at the soak's rate) and went
+    to rank 0 as one JSON line. Exact counts up to ``EXACT``, then power-of-two buckets, so
+    the size is bounded by about EXACT + 64 entries.
+    """
+
+    EXACT = 64
+
+    def __init__(self, num_dcs: int) -> None:
+        self.hist: dict[str, int] = {}
+        self.count = [0] * num_dcs
+        self.total = [0] * num_dcs
+        self.max = [0] * num_dcs
+        self.at_first_done: list[int] | None = None
+
+    @classmethod
+    def bucket(cls, s: int) -> str:
+        if s < cls.EXACT:
+            return str(s)
+        lo = 1 << (s.bit_length() - 1)
+        return f"{lo}-{2 * lo - 1}"
+
+    def record(self, dc: int, staleness: int) -> None:
+        b = self.bucket(staleness)
+        self.hist[b] = self.hist.get(b, 0) + 1
+        self.count[dc] += 1
+        self.total[dc] += staleness
+        self.max[dc] = max(self.max[dc], staleness)
+
+    def renumber(self, kept: list[int]) -> None:
+        """Keep the figures of the datacenters ``kept`` (old numbers), in their order (after a
+        recovery); the histogram keeps every deposit applied."""
+        self.count = [self.count[d] for d in kept]
+        self.total = [self.total[d] for d in kept]
+        self.max = [self.max[d] for d in kept]
+        if self.at_first_done is not None:
+            self.at_first_done = [self.at_first_done[d] for d in kept]
+
+    def first_done(self, applied: list[int]) -> None:
+        """The deposits applied per datacenter when the first one finished (once)."""
+        if self.at_first_done is None:
+            self.at_first_done = list(applied)
+
+    def as_dict(self) -> dict:
+        n = sum(self.count)
+        return {
+            "staleness_histogram": dict(
+                sorted(self.hist.items(), key=lambda kv: int(kv[0].split("-")[0]))
+            ),
+            "staleness_updates": n,
+            "max_staleness_seen": max(self.max, default=0),
+            "mean_staleness": sum(self.total) / n if n else 0.0,
+            "staleness_per_dc": [
+                {"updates": c, "mean": t / c if c else 0.0, "max": m}
+                for c, t, m in zip(self.count, self.total, self.max)
+            ],
+            "updates_at_first_done": self.at_first_done or list(self.count),
+        }
+
+
+class MixedDeposits:
+    """MixedSync's global server policy: what one datacenter's deposit does to this shard.
+
+    Each deposit is stepped by the hosted optimizer on its gradient averaged over the
+    deposit's samples, with its datacenter's own hyperparameters (the job's until that
+    datacenter's first worker sends new ones, as a schedule changes them) and its number
+    (DCASGD compensates with what that datacenter last held: ``pulled``). A mean key (the
+    workers' buffers) is kept per datacenter: each fetches back its own mean, so its buffers
+    follow its own data as in one synchronous datacenter, and the final model carries their
+    sample-weighted mean. Also the staleness figures, and the test hook
+    ``GEOMPI_TEST_DEPOSIT_LOG=DIR``: the deposits in applied order (kept only then: it grows).
+    """
+
+    def __init__(self) -> None:
+        self.start(None, 0)
+
+    def start(self, optimizer: ServerOptimizer | None, num_dcs: int) -> None:
+        self.optimizer = optimizer
+        self.job_hyper: Hyper | None = None
+        if optimizer is not None:
+            self.job_hyper = (optimizer.spec, optimizer.groups)
+        self.dc_hyper: dict[int, Hyper] = {}
+        self.dc_means: dict[int, dict[int, tuple[float, torch.Tensor]]] = {}  # key -> dc ->
+        self.mean_init: dict[int, torch.Tensor] = {}
+        self.staleness = StalenessStats(num_dcs)  # bounded, however long the run
+        self.deposits: list[dict] | None = [] if os.environ.get(DEPOSIT_LOG) else None
+        self.dc_names = list(range(num_dcs))  # each one's number at the job's start
+
+    def hyperparameters(self, dc: int, spec: dict | None) -> None:
+        """Step ``dc``'s deposit with its own hyperparameters: ``spec`` if it brings new ones,
+        else those it had before (the job's if it never sent any)."""
+        if spec is not None:
+            groups = [spec_from_dict(g) for g in spec.get("groups") or []] or None
+            main = spec_from_dict(spec["optimizer"])
+            self.dc_hyper[dc] = (main, groups or [main])
+        if self.optimizer is None:
+            return
+        want = self.dc_hyper.get(dc, self.job_hyper)
+        if want is not None and want != (self.optimizer.spec, self.optimizer.groups):
+            self.optimizer.update(*want)
+
+    def step(
+        self,
+        dc: int,
+        key: int,
+        value: torch.Tensor,
+        total: torch.Tensor,
+        weight: float,
+        flags: int,
+        present: list[bool] | None,
+    ) -> None:
+        opt = self.optimizer
+        if opt is None or flags & FLAG_RAW:  # the value is the sum
+            value.copy_(total)
+        elif flags & FLAG_SUM:  # a KVStore's pushes: summed, stepped as they are
+            opt.step(key, value, total, dc, present)
+        elif weight > 0:  # weight 0: the datacenter skipped a non-finite gradient
+            opt.step(key, value, total.div_(weight), dc, present)
+
+    def mean(
+        self, dc: int, key: int, value: torch.Tensor, total: torch.Tensor, weight: float
+    ) -> None:
+        init = self.mean_init.setdefault(key, value.clone())  # only changed here
+        means = self.dc_means.setdefault(key, {})
+        if weight > 0:  # weight 0: a skipped deposit keeps what the datacenter had
+            means[dc] = (weight, total / weight)
+        value.copy_(means[dc][1] if dc in means else init)
+
+    def pulled(self, dc: int, key: int, held: torch.Tensor) -> None:
+        """DCASGD's backup of ``dc``: with a codec its replica, else the values themselves."""
+        if self.optimizer is not None:
+            self.optimizer.pulled(key, dc, held)
+
+    def applied(
+        self,
+        dc: int,
+        ticket: int,
+        weight: float,
+        keys: list[int],
+        staleness: int,
+        recovering: bool,
+    ) -> None:
+        self.staleness.record(dc, staleness)
+        if self.deposits is not None:
+            self.deposits.append(
+                {"dc": self.dc_names[dc], "ticket": ticket, "weight": float(weight), "keys": keys,
+                 "in_recovery": recovering}
+            )  # fmt: skip
+
+    def done(self, applied: list[int]) -> None:
+        self.staleness.first_done(applied)
+
+    def renumber(self, kept: list[int]) -> None:
+        new = {d: i for i, d in enumerate(kept)}
+        self.dc_names = [self.dc_names[d] for d in kept]
+        self.dc_hyper = {new[d]: h for d, h in self.dc_hyper.items() if d in new}
+        self.dc_means = {
+            k: {new[d]: m for d, m in means.items() if d in new}
+            for k, means in self.dc_means.items()
+        }
+        self.staleness.renumber(kept)
+        if self.optimizer is not None:
+            self.optimizer.renumber_dcs(new)
+
+    def finish(self, values: dict[int, torch.Tensor]) -> None:
+        """Every mean key's value becomes the datacenters' latest means, weighted by the
+        samples of the deposit that brought each (in datacenter order, so every owner agrees)."""
+        for key, means in self.dc_means.items():
+            if means:
+                total = sum(w for w, _ in means.values())
+                value = sum(m * (w / total) for _, (w, m) in sorted(means.items()))
+                values[key].copy_(cast(torch.Tensor, value))
+
+    def report(self) -> dict:
+        return self.staleness.as_dict()
+
+    def write_log(self, index: int, bounds: dict[int, tuple[int, int]]) -> None:
+        """``DIR/deposits-g<index>.json``: the applied deposits (dc, ticket, weight, keys) in
+        order, and this server's slice of each key."""
+        directory = os.environ.get(DEPOSIT_LOG)
+        if not directory:
+            return
+        with open(os.path.join(directory, f"deposits-g{index}.json"), "w") as f:
+            json.dump({"index": index, "bounds": bounds, "deposits": self.deposits}, f)
