@@ -14,6 +14,7 @@ import sys
 import torch
 
 import geompi
+from geompi.runtime import end_process
 from tests.progs.api_common import batch, hfa_optimizer, make_model, use_extra
 
 out = sys.argv[1]
@@ -45,3 +46,4 @@ torch.save(model.state_dict(), f"{out}/w{w}.pt")
 with open(f"{out}/w{w}.json", "w") as f:
     json.dump({"global_syncs": opt.global_syncs, "failures": opt.failures}, f)
 geompi.finish()
+end_process(0)  # ends as geompi's own processes do: no interpreter teardown

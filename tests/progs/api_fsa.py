@@ -7,6 +7,7 @@ import sys
 import torch
 
 import geompi
+from geompi.runtime import end_process
 from tests.progs.api_common import (
     CLIP,
     MICRO,
@@ -87,3 +88,4 @@ with open(f"{out}/sent-w{w}.json", "w") as f:
 if local_in:
     with open(f"{out}/local_in.json", "w") as f:
         json.dump(local_in, f)
+end_process(0)  # ends as geompi's own processes do: no interpreter teardown

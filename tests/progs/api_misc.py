@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 import geompi
+from geompi.runtime import end_process
 from tests.progs.api_common import (
     IN,
     OUT,
@@ -200,3 +201,4 @@ elif mode == "bad_save_servers":
 geompi.finish()
 with open(f"{out}/done-w{w}.json", "w") as f:
     json.dump({"mode": mode}, f)
+end_process(0)  # ends as geompi's own processes do: no interpreter teardown

@@ -15,6 +15,7 @@ import sys
 import torch
 
 import geompi
+from geompi.runtime import end_process
 from tests.progs.api_common import make_model, train_steps
 
 out, mode = sys.argv[1], sys.argv[2]
@@ -134,3 +135,4 @@ elif mode == "closed":
 geompi.finish()
 with open(f"{out}/done-{mode}-w{w}.json", "w") as f:
     json.dump({"mode": mode}, f)
+end_process(0)  # ends as geompi's own processes do: no interpreter teardown

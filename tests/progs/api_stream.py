@@ -14,6 +14,7 @@ import sys
 import torch
 
 import geompi
+from geompi.runtime import end_process
 from tests.progs.api_common import hfa_optimizer, make_model, train_steps
 
 out, mode = sys.argv[1], sys.argv[2]
@@ -48,3 +49,4 @@ else:
     train("hfa", geompi.HFA(k1=2, k2=4))
     train("f1", geompi.HFA(k1=2, k2=4, fragments=1))
 geompi.finish()
+end_process(0)  # ends as geompi's own processes do: no interpreter teardown

@@ -19,6 +19,7 @@ from geompi.config import make_config
 from geompi.data import WorkerData
 from geompi.models import build_model
 from geompi.ps.optim import make_spec, torch_optimizer
+from geompi.runtime import end_process
 from geompi.train import train
 
 out = Path(sys.argv[1])
@@ -74,3 +75,4 @@ for name, cfg in cfgs.items():
         s = cli[name]
         torch.save({"cli": s["model"], "api": api, "steps": s["steps"]}, out / f"{name}.pt")
 geompi.finish()
+end_process(0)  # ends as geompi's own processes do: no interpreter teardown

@@ -8,6 +8,7 @@ import torch
 
 import geompi.kv
 import geompi.optim
+from geompi.runtime import end_process
 
 STEPS = 5
 SHAPES = {"one": (1,), "three": (3,), "odd": (1001,), "half": (7, 3)}
@@ -52,3 +53,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    end_process(0)  # ends as geompi's own processes do: no interpreter teardown

@@ -7,6 +7,7 @@ import torch
 
 import geompi.kv
 import geompi.optim
+from geompi.runtime import end_process
 
 out = sys.argv[1]
 kv = geompi.kv.create("dist_sync")  # servers serve here and exit
@@ -56,3 +57,4 @@ res["lan_bytes"] = kv.stats.sent["lan"]
 kv.close()
 with open(f"{out}/kv-{w}.json", "w") as f:
     json.dump(res, f)
+end_process(0)  # ends as geompi's own processes do: no interpreter teardown

@@ -21,6 +21,7 @@ import torch
 import geompi.kv
 from geompi.ps.optim import DCASGD
 from geompi.ps.protocol import Op
+from geompi.runtime import end_process
 
 out, rounds, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 kv = geompi.kv.create("dist_async", dc_sizes=(3, 2, 2), global_servers=2)
@@ -75,3 +76,4 @@ record["init"] = {k: v.reshape(-1).tolist() for k, v in init.items()}
 record["keys"] = list(shapes)
 with open(f"{out}/replay-{w}.json", "w") as f:
     json.dump(record, f)
+end_process(0)  # ends as geompi's own processes do: no interpreter teardown

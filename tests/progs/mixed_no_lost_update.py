@@ -14,6 +14,7 @@ import torch
 
 import geompi.kv
 import geompi.optim
+from geompi.runtime import end_process
 
 out, rounds = sys.argv[1], int(sys.argv[2])
 kv = geompi.kv.create("dist_async")
@@ -44,3 +45,4 @@ for k in shapes:
     final[k] = outs[k].flatten().tolist()
 with open(f"{out}/mixed-{w}.json", "w") as f:
     json.dump({"worker": w, "dc": kv.dc, "pushed": pushed, "seen": seen, "final": final}, f)
+end_process(0)  # ends as geompi's own processes do: no interpreter teardown

@@ -16,6 +16,7 @@ import torch
 
 import geompi
 from examples.custom_algorithm import ClippedHFA
+from geompi.runtime import end_process
 from tests.progs.api_common import batch
 
 out = sys.argv[1]
@@ -95,3 +96,4 @@ if w == 0:
         json.dump({"keys": geompi_keys, "step": step}, f)
 with open(f"{out}/done-w{w}.json", "w") as f:
     json.dump({"worker": w}, f)
+end_process(0)  # ends as geompi's own processes do: no interpreter teardown

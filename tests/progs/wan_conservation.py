@@ -10,6 +10,7 @@ import sys
 import torch
 
 import geompi
+from geompi.runtime import end_process
 
 out = sys.argv[1]
 geompi.init(dc_sizes=(3, 2), global_servers=2)  # a local server each
@@ -72,3 +73,4 @@ if w == 0:
     with open(f"{out}/cases.json", "w") as f:
         json.dump({"done": done, "dim": DIM, "lr": LR, "momentum": MOMENTUM}, f)
 geompi.finish()
+end_process(0)  # ends as geompi's own processes do: no interpreter teardown
