@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -35,7 +36,7 @@ from geompi.errors import ConfigError
 from geompi.ps.client import PSClient
 from geompi.ps.optim import Spec, spec_to_dict
 from geompi.ps.protocol import MAX_KEYS, Op
-from geompi.runtime import end_process, install_excepthook
+from geompi.runtime import install_excepthook
 
 if TYPE_CHECKING:
     from geompi.sync import Algorithm
@@ -272,7 +273,7 @@ def create(
     s = session.start(config, comm, plan=plan)
     if not s.is_worker:
         session.serve_until_finished(s)
-        end_process(0)  # a server rank runs none of the script after create()
+        sys.exit(0)
     algo = sync.for_kvstore(name, s.cfg).from_config(s.cfg)  # the environment's (HFA's K1, K2)
     s.send_job(algo.job(), None)
     return KVStore(name, s, algo)

@@ -152,7 +152,7 @@ def init(comm=None, **settings) -> Session:
     ``comm`` (default COMM_WORLD).
     """
     global _session
-    from geompi.runtime import end_process, install_excepthook
+    from geompi.runtime import install_excepthook
 
     if _session is not None and not _session.finished:
         raise ConfigError("geompi.init() was already called: call geompi.finish() first")
@@ -175,7 +175,7 @@ def init(comm=None, **settings) -> Session:
             callwatch.start(_session.comms.all_workers, _rounds_begun, _report_mismatch)
         return _session
     serve_until_finished(_session)
-    end_process(0)  # a server rank runs none of the script after init()
+    sys.exit(0)
 
 
 def serve_until_finished(s: Session) -> None:

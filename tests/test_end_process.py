@@ -29,6 +29,10 @@ def late():
     open(out + "/thread", "w").write("done")
 
 threading.Thread(target=late).start()
+# an executor's idle worker is a thread that is not a daemon: it ends when told at exit
+from concurrent.futures import ThreadPoolExecutor
+pool = ThreadPoolExecutor(1)
+pool.submit(sum, [1, 2]).result()
 libc = ctypes.CDLL(None)
 libc.printf(b"from C's stdio\\n")  # a pipe: fully buffered in C until flushed
 print("from Python", flush=False)
@@ -59,6 +63,24 @@ def test_end_process_keeps_what_a_normal_exit_does(tmp_path, status, code, stder
     assert (tmp_path / "atexit").read_text() == "last registered\nfirst registered\n"
     assert (tmp_path / "held").read_text() == "written, never flushed"
     assert (tmp_path / "thread").read_text() == "done"
+
+
+def test_a_standard_output_that_cannot_be_written_makes_0_into_120(tmp_path):
+    """As Python's own exit: the output could not be written, so the status says so."""
+    script = tmp_path / "closed.py"
+    script.write_text(
+        "import sys\nfrom geompi.runtime import end_process\n"
+        "print('x' * 100)\nend_process(0)\n"
+    )
+    r = subprocess.Popen(
+        [sys.executable, str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        cwd=REPO,
+        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+    )
+    r.stdout.close()  # the reader is gone: the flush at the end fails
+    assert r.wait(timeout=60) == 120
 
 
 def test_end_process_finalizes_mpi_as_mpi4py_would(tmp_path):
