@@ -69,8 +69,7 @@ def test_a_standard_output_that_cannot_be_written_makes_0_into_120(tmp_path):
     """As Python's own exit: the output could not be written, so the status says so."""
     script = tmp_path / "closed.py"
     script.write_text(
-        "import sys\nfrom geompi.runtime import end_process\n"
-        "print('x' * 100)\nend_process(0)\n"
+        "import sys\nfrom geompi.runtime import end_process\nprint('x' * 100)\nend_process(0)\n"
     )
     r = subprocess.Popen(
         [sys.executable, str(script)],
