@@ -183,18 +183,18 @@ def test_predictions_within_tolerance_of_emulated_runs(tmp_path):
     """Two settings the planner was not fitted on (FSA with bf16; streaming HFA, a fragment a
     step), run under the emulated WAN after calibration runs, predicted from the calibration,
     the link and the parameter count alone (bench/plan_check.py). Both links are slow enough
-    that the WAN is most of a step (about 2.6 s of it): this suite runs beside other jobs on
-    2 cores, where a load swing between the calibration and a run moves a step's compute
-    several times over (a setting with 0.4 s of WAN a step missed by 32% so). Tolerance 15%
-    rather than the benchmark's 10% for the same reason."""
+    that the WAN is most of a step (about 1.3 s of it, against 0.05 s of compute): this suite
+    runs beside other jobs on 2 cores, where a load swing between the calibration and a run
+    moves a step's compute several times over (a setting with 0.4 s of WAN a step missed by
+    32% so). Tolerance 15% rather than the benchmark's 10% for the same reason."""
     sys.path.insert(0, str(REPO / "bench"))
     import plan_check
 
     from tests.mpirun import mpirun_path
 
     settings = [
-        (FSA(optimizer="servers"), "bf16", "1Mbit", "20ms"),
-        (HFA(k1=1, k2=2, fragments=2), "none", "1Mbit", "50ms"),
+        (FSA(optimizer="servers"), "bf16", "2Mbit", "20ms"),
+        (HFA(k1=1, k2=2, fragments=2), "none", "2Mbit", "50ms"),
     ]
     res = plan_check.check(
         settings,
@@ -202,7 +202,7 @@ def test_predictions_within_tolerance_of_emulated_runs(tmp_path):
         batch=16,
         cycles=4,
         cal_steps=24,
-        budget_s=4.0,
+        budget_s=3.0,
         out=tmp_path,
         timeout=240,
     )
