@@ -52,7 +52,6 @@ def DistributedOptimizer(  # noqa: N802 - a factory named like the class it retu
     lan_bandwidth: str | None = None,
     wan_compression: str | None = None,
     lan_reduce: str | None = None,
-    _start: bool = True,
 ) -> GeompiOptimizer:
     """Make ``optimizer`` (built on ``model``'s parameters) train across the job. Collective:
     every worker calls it once, with the same model and settings.
@@ -63,6 +62,41 @@ def DistributedOptimizer(  # noqa: N802 - a factory named like the class it retu
     Returns the same optimizer object, now a subclass of its class with ``no_sync()``,
     ``synchronize()``, ``set_batch_size()`` and ``close()``.
     """
+    return build(
+        optimizer,
+        model,
+        sync,
+        bucket_mb=bucket_mb,
+        max_grad_norm=max_grad_norm,
+        backward_passes_per_step=backward_passes_per_step,
+        wan_bandwidth=wan_bandwidth,
+        wan_latency=wan_latency,
+        lan_bandwidth=lan_bandwidth,
+        wan_compression=wan_compression,
+        lan_reduce=lan_reduce,
+    )
+
+
+def build(
+    optimizer: torch.optim.Optimizer,
+    model: torch.nn.Module,
+    sync: str | FSA | HFA | MixedSync = "fsa",
+    *,
+    start: bool = True,
+    recovers: bool = True,
+    bucket_mb: float = 1.0,
+    max_grad_norm: float | None = None,
+    backward_passes_per_step: int = 1,
+    wan_bandwidth: str | None = None,
+    wan_latency: str | None = None,
+    lan_bandwidth: str | None = None,
+    wan_compression: str | None = None,
+    lan_reduce: str | None = None,
+) -> GeompiOptimizer:
+    """:func:`DistributedOptimizer`, with what the command line's loop decides itself:
+    ``start=False`` leaves the first (INIT) round to the caller (a resume's carries the
+    checkpoint: ``engine.start``), ``recovers=False`` leaves a lost rank to it (the loop agrees
+    on the step and counts the lost workers' samples: ``engine.survive``)."""
     wan = {
         k: v
         for k, v in (
@@ -118,8 +152,10 @@ def DistributedOptimizer(  # noqa: N802 - a factory named like the class it retu
                 )
         except GeompiError as e:  # the same on every worker: the settings agree
             session.exit_identically(s, e)
+        if isinstance(engine, Synchronizer):
+            engine.recovers = recovers
         wrap(optimizer, engine)
-        if _start:  # the CLI's resume starts it itself, its INIT round carrying the checkpoint
+        if start:
             engine.start()
     return cast(GeompiOptimizer, optimizer)  # its class swapped
 

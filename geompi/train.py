@@ -147,16 +147,16 @@ class Worker:
         DistributedOptimizer as a user's script makes its own. The loop recovers from a lost
         rank itself (it agrees on the step and counts the lost workers' samples), so the
         engine's step() leaves that to it."""
-        from geompi.optimizer import DistributedOptimizer
+        from geompi.optimizer import build
 
         opt = self.algo.cli_optimizer(self.cfg, self.model.parameters())
         # On --resume the INIT round waits for the checkpoint (_resume): one round, as a
-        # fresh start's, rather than the fresh model's values and then the checkpoint's.
-        opt = DistributedOptimizer(
-            opt, self.model, self.algo, bucket_mb=self.cfg.bucket_mb, _start=not self.cfg.resume
+        # fresh start's, rather than the fresh model's values and then the checkpoint's. A
+        # lost rank is the loop's to survive (_survive).
+        start = not self.cfg.resume
+        return build(
+            opt, self.model, self.algo, start=start, recovers=False, bucket_mb=self.cfg.bucket_mb
         )
-        opt._geompi.recovers = False  # see _survive
-        return opt
 
     # ---- the loop -------------------------------------------------------------------------
     # What differs between algorithms (when the workers agree on a stop, which rounds are made
