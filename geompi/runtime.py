@@ -152,7 +152,13 @@ def end_process(status: object = 0) -> NoReturn:
     else:
         print(status, file=sys.stderr)
         code = 1
-    threading._shutdown()  # type: ignore[attr-defined] - what the interpreter's exit calls
+    shutdown = getattr(threading, "_shutdown", None)  # what the interpreter's exit calls
+    if shutdown is not None:
+        shutdown()
+    else:  # pragma: no cover - a Python without it: its threads joined as it would
+        for t in threading.enumerate():
+            if t is not threading.current_thread() and not t.daemon:
+                t.join()
     atexit._run_exitfuncs()
     if not _flush_everything() and code == 0:
         code = 120
