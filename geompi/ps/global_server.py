@@ -21,7 +21,7 @@ from geompi.comm.transport import (
     recv_state,
     send_state,
 )
-from geompi.ps.optim import Piece, ServerOptimizer, shard_pieces, spec_from_dict
+from geompi.ps.optim import Piece, ServerOptimizer, shard_pieces, spec_from_dict, step_gradient
 from geompi.ps.policy import POLICY_STATE, Assign, GlobalPolicy
 from geompi.ps.protocol import (
     FLAG_EXACT,
@@ -342,12 +342,8 @@ class GlobalServer:
         value = self.values[key]
         if rnd.op is Op.GRAD:
             self.updates += 1
-            if self.optimizer is None or rnd.flags & FLAG_RAW:  # the value is the sum
-                value.copy_(total)
-            elif rnd.flags & FLAG_SUM:
-                self.optimizer.step(key, value, total, dc, self._presence(key))
-            elif weight > 0:  # weight 0: every datacenter skipped a non-finite gradient
-                self.optimizer.step(key, value, total.div_(weight), dc, self._presence(key))
+            present = self._presence(key)
+            step_gradient(self.optimizer, key, value, total, weight, rnd.flags, dc, present)
         elif rnd.flags & FLAG_FLUSH:  # a value round of held-back residuals only
             self.updates += 1
             value.copy_(total.div_(weight))

@@ -19,6 +19,7 @@ from torch.optim.adam import adam
 from torch.optim.sgd import sgd
 
 from geompi.errors import ConfigError
+from geompi.ps.protocol import FLAG_RAW, FLAG_SUM
 
 OPTIMIZERS = ("sgd", "adam", "adamw", "dcasgd")
 
@@ -366,6 +367,30 @@ class ServerOptimizer:
                     )
                 if restored:
                     opt.state[p] = restored
+
+
+def step_gradient(
+    optimizer: ServerOptimizer | None,
+    key: int,
+    value: torch.Tensor,
+    total: torch.Tensor,
+    weight: float,
+    flags: int,
+    dc: int | None,
+    present: list[bool] | None,
+) -> None:
+    """What a gradient round (``total``: the sum over ``weight`` samples) does to a shard's
+    ``value``, in place, on a global server of either tier: the sum itself where there is no
+    optimizer or the round is raw; a KVStore's summed pushes stepped as they are; else the
+    optimizer's step on the mean gradient (``dc``: the datacenter, for DCASGD's backup;
+    ``present``: per piece, whether it has a gradient), none for weight 0 (every sender
+    skipped a non-finite gradient). ``total`` may be reused."""
+    if optimizer is None or flags & FLAG_RAW:  # the value is the sum
+        value.copy_(total)
+    elif flags & FLAG_SUM:
+        optimizer.step(key, value, total, dc, present)
+    elif weight > 0:
+        optimizer.step(key, value, total.div_(weight), dc, present)
 
 
 def _hyperparameters(spec: Spec) -> dict:

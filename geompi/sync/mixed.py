@@ -21,8 +21,16 @@ from typing import ClassVar, cast
 import torch
 
 from geompi.errors import ConfigError, positive_number
-from geompi.ps.optim import DCASGD, SGD, ServerOptimizer, Spec, spec_from_dict, spec_to_dict
-from geompi.ps.protocol import FLAG_RAW, FLAG_SUM, Op
+from geompi.ps.optim import (
+    DCASGD,
+    SGD,
+    ServerOptimizer,
+    Spec,
+    spec_from_dict,
+    spec_to_dict,
+    step_gradient,
+)
+from geompi.ps.protocol import Op
 from geompi.sync.base import Algorithm, Engine, WanPattern, WorkerSide, whole_number
 from geompi.sync.fsa import (
     FSAServersWorker,
@@ -342,13 +350,7 @@ class MixedDeposits:
         flags: int,
         present: list[bool] | None,
     ) -> None:
-        opt = self.optimizer
-        if opt is None or flags & FLAG_RAW:  # the value is the sum
-            value.copy_(total)
-        elif flags & FLAG_SUM:  # a KVStore's pushes: summed, stepped as they are
-            opt.step(key, value, total, dc, present)
-        elif weight > 0:  # weight 0: the datacenter skipped a non-finite gradient
-            opt.step(key, value, total.div_(weight), dc, present)
+        step_gradient(self.optimizer, key, value, total, weight, flags, dc, present)
 
     def mean(
         self, dc: int, key: int, value: torch.Tensor, total: torch.Tensor, weight: float
