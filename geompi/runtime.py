@@ -167,6 +167,17 @@ def end_process(status: object = 0) -> NoReturn:
     os._exit(code & 0xFF)
 
 
+def end_after(command: Callable[[], object]) -> NoReturn:
+    """Run a command's entry (``python -m geompi.train``, the console scripts) and end the
+    process with its status through :func:`end_process`; a ``SystemExit`` (``--help``, a
+    settings error on every rank) ends it with its code, as it would have."""
+    try:
+        status = command()
+    except SystemExit as e:
+        status = e.code
+    end_process(status)
+
+
 def _rc_flag(value: object) -> bool | None:
     """An ``mpi4py.rc`` setting as mpi4py reads it (``"no"`` is False)."""
     if isinstance(value, str):

@@ -13,20 +13,15 @@ if __name__ == "__main__":
     install_signal_handlers()  # before the slow imports: a stop signal at start-up is not fatal
     # Run as the module geompi.train, imported where a missing MPI library (the imports below
     # load it) is turned into one line saying what to install.
-    import sys
-
-    from geompi.runtime import end_process, main_needing_mpi
+    from geompi.runtime import end_after, main_needing_mpi
 
     def _load_main():
         from geompi.train import main
 
         return main
 
-    try:
-        status = main_needing_mpi(_load_main)
-    except SystemExit as e:  # a settings error: exit 2 on every rank, as from main()
-        status = e.code
-    end_process(status)  # without the interpreter's teardown (0.35 s of CPU per rank)
+    # without the interpreter's teardown (0.35 s of CPU per rank)
+    end_after(lambda: main_needing_mpi(_load_main))
 
 import copy
 import json
