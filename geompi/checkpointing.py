@@ -22,17 +22,15 @@ import json
 import os
 import pathlib
 import tempfile
-from collections import defaultdict
 
 import torch
 
-from geompi import ckpt
+from geompi import ckpt, state
 from geompi.comm import faults
 from geompi.comm.compression import make_compressor
-from geompi.comm.transport import barrier, barrier_before_collective
+from geompi.comm.transport import barrier_before_collective
 from geompi.errors import CheckpointError, CheckpointMismatchError, CheckpointWriteError
 from geompi.held_state import HeldState
-from geompi.ps.protocol import Op
 from geompi.resume_checks import check_resumable, expected_state_names
 from geompi.runtime import say
 from geompi.session import fail_together
@@ -128,13 +126,6 @@ class Checkpointing:
         """The global servers' state, by name and back (once the worker's buckets exist)."""
         return HeldState(self.w)
 
-    @staticmethod
-    def for_engine(engine) -> HeldState:
-        """The server-held half of checkpointing for the public API's optimizer (snapshots
-        from the global servers, their state re-sliced for a restore):
-        ``HeldState.for_engine``, under the name its callers knew."""
-        return HeldState.for_engine(engine)
-
     def load_resume(self, resume: str | None, directory: str | None) -> pathlib.Path | None:
         """Master, at start-up: load what ``--resume`` names and return its path.
 
@@ -228,36 +219,23 @@ class Checkpointing:
         send unasked once every datacenter is done, so no SAVE round.
         """
         w = self.w
-        if not final:
-            reqs = w.client.start(Op.SAVE, [])
-            reqs.wait()
-        snaps = []
-        if w.master:  # before the gather: in MixedSync, other datacenters still need the servers
-            snaps = self.held.receive_snapshots()
-        mine = {
+        own = {
             "loader": w.loader.state_dict(),
             "rng": torch.get_rng_state(),
-            "local": self._local_state(),
+            "local": state.own_optimizer_state(w.local_opt, w.model),
         }
-        barrier_before_collective(w.group, w.cfg.comm_timeout, "every worker to hand in its state")
-        everyone = w.group.gather(mine, root=0)
-        if faults.watching():  # the master had every part: else every worker saves again
-            barrier(w.group, None, "every worker's state to reach the master")
+        held, everyone = state.gather(w.engine, w.group, own, w.cfg.comm_timeout, final=final)
         self.saved_step = step
         if not w.master:
             return None
-        model, optimizer, algorithm = self.held.assemble(snaps)
+        model, optimizer = held["model"], held["optimizer"]
         self.saved_model = model
-        algorithm["strategy"] = {k: int(v) for k, v in w.engine.state().items()}
-        algorithm["global_updates"] = int(snaps[0]["updates"])
-        if any(m["local"] for m in everyone):  # each worker's own optimizer state
-            per_worker_state = {f"worker{i}": m["local"] for i, m in enumerate(everyone)}
-            _put(algorithm, w.cfg.algorithm.worker_state_section, per_worker_state)
+        algorithm = state.algorithm_sections(held, everyone, w.engine)
         per_worker = [
             (m["loader"]["epoch"], m["loader"]["position"], step, m["rng"]) for m in everyone
         ]
         if self.starts is not None:  # MixedSync: every datacenter at the snapshot's version
-            per_worker = self._progress_at(snaps[0]["cut"], step, everyone)
+            per_worker = self._progress_at(held["cut"], step, everyone)
         progress = {
             "data_positions": torch.tensor([[e, p] for e, p, _, _ in per_worker]),
             "steps": torch.tensor([s for _, _, s, _ in per_worker]),
@@ -328,26 +306,12 @@ class Checkpointing:
         w = self.w
         model = self.saved_model
         if self.saved_step != w.step:
-            reqs = w.client.start(Op.SAVE, [])
-            reqs.wait()
-            if w.master:
-                model = self.held.assemble(self.held.receive_snapshots())[0]
+            held, _ = state.gather(w.engine, None, {}, None)
+            model = held["model"] if w.master else None
         if w.master:
             with torch.no_grad():
                 for name, p in w.model.named_parameters():
                     p.copy_(model[name].to(p.device))
-
-    def _local_state(self) -> dict:
-        """This worker's local optimizer state by parameter name (HFA), else {}."""
-        opt = self.w.local_opt
-        if opt is None or not opt.state:
-            return {}
-        names = {id(p): n for n, p in self.w.model.named_parameters()}
-        out: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
-        for p, st in opt.state.items():
-            for k, v in st.items():
-                out[k][names[id(p)]] = torch.as_tensor(v).detach().cpu().clone()
-        return dict(out)
 
     # ---- restoring ------------------------------------------------------------------------
     def load(self, path: pathlib.Path, ck: ckpt.Checkpoint | None = None) -> None:
@@ -393,7 +357,7 @@ class Checkpointing:
         if w.master and ck is not None:
             positions = ck.progress["data_positions"].tolist()
             rng = ck.progress.get("rng", {})
-            local = _get(ck.algorithm, w.cfg.algorithm.worker_state_section)
+            local = state.get_section(ck.algorithm, w.cfg.algorithm.worker_state_section)
             n = w.topo.num_workers
             same = len(positions) == n
             own = [
@@ -455,22 +419,15 @@ class Checkpointing:
         return info
 
     def _load_local(self, local: dict) -> None:
-        opt = self.w.local_opt
-        for name, p in self.w.model.named_parameters():
-            st = {
-                k: v[name].to(p.device if v[name].dim() else "cpu").clone()
-                for k, v in local.items()
-                if name in v
-            }
-            if st:
-                opt.state[p] = st
+        state.load_own_state(self.w.local_opt, self.w.model, local, self.resumed_from)
 
     def server_states(self) -> list[dict] | None:
         """Per global server: its slice of every key's optimizer and outer state."""
         ck = self.loaded
         if ck is None:
             return None
-        return self.held.shard_states(ck.optimizer, ck.algorithm, ck.model)
+        held = state.held_in_file(ck, self.w.engine)
+        return self.held.shard_states(held["optimizer"], held["algorithm"], held["model"])
 
     def send_server_states(self, reqs, states: list[dict] | None = None) -> None:
         """Master worker, during the INIT round: each global server's slice of the state
@@ -478,27 +435,6 @@ class Checkpointing:
         states = self.server_states() if states is None else states
         if states is not None:
             self.held.send_server_states(reqs, states)
-
-
-def _get(algorithm: dict, section: str | None) -> dict:
-    """The group at ``section`` (an ``Algorithm.worker_state_section``) of a checkpoint's
-    /algorithm; {} where there is none."""
-    for part in section.split("/") if section else ():
-        algorithm = algorithm.get(part, {})
-    return algorithm if section else {}
-
-
-def _put(algorithm: dict, section: str | None, value: dict) -> None:
-    """``value`` at ``section`` of /algorithm, beside what its groups already hold."""
-    if section is None:
-        raise CheckpointError(
-            "the workers keep optimizer state of their own but the algorithm names no "
-            "worker_state_section to checkpoint it in: give its class one (geompi.sync.Algorithm)"
-        )
-    *groups, last = section.split("/")
-    for part in groups:
-        algorithm = algorithm.setdefault(part, {})
-    algorithm[last] = value
 
 
 def say_resumed(path, step: int, note: str) -> None:

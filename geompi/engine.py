@@ -35,6 +35,8 @@ from geompi.sync import Algorithm
 class Synchronizer:
     """The worker engine of one algorithm around a user's model and optimizer."""
 
+    has_servers = True  # geompi.save's SAVE round reaches the global servers
+
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
@@ -310,7 +312,7 @@ class Synchronizer:
         self.refuse_closed(what)
         self.side.check_restore(what, new_model)
         send = None
-        if self.master and held is not None and self.holds_server_state:
+        if self.master and held is not None:
             from geompi.held_state import HeldState
 
             io = HeldState.for_engine(self)
@@ -456,6 +458,7 @@ class LocalEngine:
     optimizer_state_on_servers = False  # the user's optimizer steps here, its state with it
     takes_scaler_state = False  # the user's step runs here: a GradScaler unscales as usual
     holds_server_state = False  # nothing held elsewhere: state_dict() is torch's own
+    has_servers = False  # no SAVE round: geompi.save writes this process's state
     lossy_wan = False  # no WAN codec
 
     def __init__(

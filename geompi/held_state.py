@@ -56,7 +56,9 @@ class HeldState:
         snaps = self.receive_snapshots()
         model, optimizer, algorithm = self.assemble(snaps)
         algorithm["global_updates"] = int(snaps[0]["updates"])
-        return {"model": model, "optimizer": optimizer, "algorithm": algorithm}
+        # MixedSync: the deposits of each datacenter the version holds
+        cut = snaps[0].get("cut")
+        return {"model": model, "optimizer": optimizer, "algorithm": algorithm, "cut": cut}
 
     def receive_snapshots(self) -> list[dict]:
         """Master worker, after a SAVE round (or MixedSync's end): every global server's

@@ -34,7 +34,6 @@ from geompi.engine import (  # noqa: F401 - re-exported: their old home
     synchronized_buffers,
 )
 from geompi.errors import ConfigError, GeompiError, positive_number
-from geompi.ps.protocol import Op
 from geompi.sync import FSA, HFA, MixedSync, resolve
 from geompi.sync.hfa import uniform_weight  # noqa: F401 - re-exported: its old home
 
@@ -325,7 +324,7 @@ class GeompiOptimizer(torch.optim.Optimizer):
         ``"geompi_outer_exp_avg"``, ``"geompi_outer_exp_avg_sq"``, ``"geompi_outer_step"``),
         each parameter index -> tensor. Then
         collective over the workers, and every worker gets the same dict."""
-        from geompi.state import OUTER_KEYS, UPDATES_KEY
+        from geompi.state import OUTER_KEYS, UPDATES_KEY, by_index
 
         sd = super().state_dict()
         engine = self._geompi
@@ -334,11 +333,7 @@ class GeompiOptimizer(torch.optim.Optimizer):
         held = server_state(engine, "state_dict()")
         names = engine.param_names()
         if engine.side.servers_step:  # the workers hold none of the optimizer's state
-            sd["state"] = {}
-            for state_name, named in held["optimizer"].items():
-                for i, name in enumerate(names):
-                    if name in named:
-                        sd["state"].setdefault(i, {})[state_name] = named[name]
+            sd["state"] = by_index(held["optimizer"], names)
         hfa = held["algorithm"].get("hfa", {})
         for key, state_name in OUTER_KEYS.items():
             outer = hfa.get(state_name, {})
@@ -367,12 +362,10 @@ def server_state(engine: Synchronizer, what: str) -> dict:
     """Collective over the workers: the global servers' state by parameter name, on every
     worker (``HeldState.held_state``'s dict). ``what``: the caller, for errors."""
     from geompi.comm.transport import barrier_before_collective
-    from geompi.held_state import HeldState
+    from geompi.state import gather
 
     engine.refuse_closed(what)
-    reqs = engine.client.start(Op.SAVE, [])
-    reqs.wait()
-    held = HeldState.for_engine(engine).held_state() if engine.master else None
+    held, _ = gather(engine, None, {}, None)  # the SAVE round; the state on the master
     comm = engine.s.comms.all_workers
     barrier_before_collective(comm, engine.s.cfg.comm_timeout, "every worker in " + what)
     return comm.bcast(held, root=0)

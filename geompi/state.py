@@ -16,8 +16,12 @@ from typing import Any
 import torch
 
 from geompi import ckpt, user_state
+from geompi.comm import faults
+from geompi.comm.transport import barrier, barrier_before_collective
 from geompi.errors import CheckpointError, ConfigError, GeompiError
+from geompi.held_state import HeldState
 from geompi.optimizer_json import _GROUPS, _NONE, _NUMBERS, check_checkpoint, torch_state
+from geompi.ps.protocol import Op
 from geompi.sync.hfa import OUTER_STATE
 
 OUTER_KEY = "geompi_outer_momentum"  # in state_dict(): HFA's outer momentum, by param index
@@ -67,14 +71,19 @@ def save(
         raise err
     if engine is not None:
         engine.end_on_global(streaming=True)  # HFA: every worker on the global model
-    sd = optimizer.state_dict() if optimizer is not None else None  # collective: servers' state
-    local = _gather_local(optimizer, engine, model)
-    users = _gather_state(mine, s)
+    per_worker = engine is not None and engine.algo.optimizer_state_per_worker
+    own = {"local": own_optimizer_state(optimizer, model) if per_worker else {}, "state": mine}
+    # the global servers' state (a SAVE round) where they run: the same file the CLI writes
+    with_servers = optimizer is not None and engine is not None and engine.has_servers
+    servers = engine if with_servers else None
+    group = s.worker_comm if s is not None else None
+    timeout = s.cfg.comm_timeout if s is not None else None
+    held, everyone = gather(servers, group, own, timeout)
     written, err = None, None
     if s is None or s.rank == 0:
         try:
             written = _write(
-                path, model, optimizer, sd, local, engine, step, epoch, metrics, s, users
+                path, model, optimizer, held, everyone, engine, step, epoch, metrics, s
             )
         except GeompiError as e:
             err = e
@@ -112,13 +121,40 @@ def _check_carried(optimizer, engine, verb: str) -> None:
         )
 
 
-def _gather_local(optimizer, engine, model) -> list[dict] | None:
-    """HFA: every worker's own optimizer state by parameter name, on the master (collective
-    over the workers); None where the workers share one state or elsewhere."""
-    if optimizer is None or engine is None or not engine.algo.optimizer_state_per_worker:
-        return None
-    from geompi.comm.transport import barrier_before_collective
+# ---- the one checkpoint path: what every save gathers, and how it lays out the sections ----
+def gather(
+    engine, group, own: dict, timeout: float | None, *, final: bool = False
+) -> tuple[dict | None, list[dict]]:
+    """Collective over ``group`` (the workers that save together; None: this process alone)
+    and, with an ``engine``, its global servers: one consistent version of the training state.
 
+    With an ``engine``: a SAVE round (none where ``final``: MixedSync's global servers send
+    their last snapshot unasked once every datacenter is done), then on ``group``'s master the
+    global servers' state by parameter name (``HeldState.held_state``: model, optimizer,
+    algorithm). Then every worker's ``own`` part, gathered on the master in ``group``'s order.
+    Returns ``(held, everyone)`` on the master, ``(None, [])`` elsewhere. ``geompi.save`` and
+    the CLI's checkpoints (geompi.checkpointing) both save through it."""
+    held = None
+    if engine is not None:
+        if not final:
+            engine.client.start(Op.SAVE, []).wait()
+        if engine.master:  # before the gather: in MixedSync, other datacenters still need them
+            held = HeldState.for_engine(engine).held_state()
+    if group is None:
+        return held, [own]
+    barrier_before_collective(group, timeout, "every worker to hand in its state")
+    everyone = group.gather(own, root=0)
+    if faults.watching():  # the master had every part: else every worker saves again
+        barrier(group, None, "every worker's state to reach the master")
+    return held, everyone or []
+
+
+def own_optimizer_state(optimizer, model: torch.nn.Module) -> dict[str, dict[str, torch.Tensor]]:
+    """This worker's own optimizer state (torch's, no SAVE round) by parameter name:
+    ``{state: {param name: tensor}}``, numbers as float64 0-d tensors, None-valued entries
+    left out; {} without an optimizer."""
+    if optimizer is None:
+        return {}
     names = param_names(model, optimizer)
     mine: dict[str, dict[str, torch.Tensor]] = {}
     base = getattr(optimizer, "_geompi_base", type(optimizer))  # torch's own: no SAVE round
@@ -128,9 +164,43 @@ def _gather_local(optimizer, engine, model) -> list[dict] | None:
                 mine.setdefault(key, {})[names[idx]] = value.detach().cpu().clone()
             elif isinstance(value, (int, float)) and not isinstance(value, bool):
                 mine.setdefault(key, {})[names[idx]] = torch.tensor(value, dtype=torch.float64)
-    comm = engine.s.worker_comm
-    barrier_before_collective(comm, engine.s.cfg.comm_timeout, "every worker in geompi.save")
-    return comm.gather(mine, root=0)
+    return mine
+
+
+def algorithm_sections(held: dict | None, everyone: list[dict], engine) -> dict:
+    """/algorithm of a checkpoint: what the global servers hold of the algorithm (HFA's outer
+    optimizer state, DCASGD's backups, the update counter), the engine's counters
+    (``strategy``) and, where the workers keep optimizer state of their own, each worker's at
+    the algorithm's ``worker_state_section``."""
+    algorithm = dict(held["algorithm"]) if held is not None else {}
+    if engine is not None:
+        algorithm["strategy"] = {k: int(v) for k, v in engine.state().items()}
+    local = [o.get("local") or {} for o in everyone]
+    if any(local):
+        section = engine.algo.worker_state_section if engine is not None else None
+        put_section(algorithm, section, {f"worker{i}": st for i, st in enumerate(local)})
+    return algorithm
+
+
+def get_section(algorithm: dict, section: str | None) -> dict:
+    """The group at ``section`` (an ``Algorithm.worker_state_section``) of a checkpoint's
+    /algorithm; {} where there is none."""
+    for part in section.split("/") if section else ():
+        algorithm = algorithm.get(part, {})
+    return algorithm if section else {}
+
+
+def put_section(algorithm: dict, section: str | None, value: dict) -> None:
+    """``value`` at ``section`` of /algorithm, beside what its groups already hold."""
+    if section is None:
+        raise CheckpointError(
+            "the workers keep optimizer state of their own but the algorithm names no "
+            "worker_state_section to checkpoint it in: give its class one (geompi.sync.Algorithm)"
+        )
+    *groups, last = section.split("/")
+    for part in groups:
+        algorithm = algorithm.setdefault(part, {})
+    algorithm[last] = value
 
 
 def _encode_state(state: dict[str, Any] | None) -> tuple[bytes, dict] | None:
@@ -143,43 +213,17 @@ def _encode_state(state: dict[str, Any] | None) -> tuple[bytes, dict] | None:
     return user_state.encode(values, "state")
 
 
-def _gather_state(mine, s) -> list | None:
-    """Every worker's encoded ``state=`` on the master (collective over the workers)."""
-    if mine is None:
-        return None
-    if s is None:
-        return [mine]
-    from geompi.comm.transport import barrier_before_collective
-
-    comm = s.worker_comm
-    barrier_before_collective(comm, s.cfg.comm_timeout, "every worker in geompi.save(state=)")
-    return comm.gather(mine, root=0)
-
-
-def _write(
-    path, model, optimizer, sd, local, engine, step, epoch, metrics, s, users=None
-) -> pathlib.Path:
+def _write(path, model, optimizer, held, everyone, engine, step, epoch, metrics, s) -> pathlib.Path:
     names = param_names(model, optimizer)
     state: dict[str, Any] = {}
     attrs: dict[str, Any] = {"name": "none"}
-    algorithm: dict[str, Any] = {}
     if optimizer is not None:
-        sd = dict(sd)
-        outer = {n: v for k, n in OUTER_KEYS.items() if (v := sd.pop(k, None))}
-        updates = sd.pop(UPDATES_KEY, None)
+        base = getattr(optimizer, "_geompi_base", type(optimizer))
+        sd = base.state_dict(optimizer)  # torch's own: what the workers keep
+        if held is not None and engine.optimizer_state_on_servers:
+            sd["state"] = by_index(held["optimizer"], names)  # the global servers step
         state, attrs = _optimizer_tables(optimizer, sd, names)
-        for state_name, by_index in outer.items():
-            algorithm.setdefault("hfa", {})[state_name] = {
-                names[int(i)]: t for i, t in by_index.items()
-            }
-        if updates is not None:
-            algorithm["global_updates"] = int(updates)
-    if local is not None:
-        algorithm.setdefault("hfa", {})["local"] = {
-            f"worker{i}": st for i, st in enumerate(local) if st
-        }
-    if engine is not None:
-        algorithm["strategy"] = {k: int(v) for k, v in engine.state().items()}
+    algorithm = algorithm_sections(held, everyone, engine)
     topology, name = {}, "none"
     if s is not None:
         topology = s.topo.describe()
@@ -197,18 +241,31 @@ def _write(
         topology=topology,
         config={"saved_by": "geompi.save"},
         metrics=metrics or {},
-        progress=_state_tree(users),
+        progress=_state_tree([o.get("state") for o in everyone]),
     )
 
 
-def _state_tree(users: list | None) -> dict:
-    """/progress/user_state/worker<i>: each worker's skeleton (bytes) and its tensors."""
-    if not users:
+def by_index(named: dict[str, dict[str, torch.Tensor]], names: list[str]) -> dict[int, dict]:
+    """``{state: {param name: tensor}}`` as torch's ``{param index: {state: tensor}}`` for the
+    parameters ``names`` lists (in torch's index order)."""
+    out: dict[int, dict] = {}
+    for state_name, per_name in named.items():
+        for i, name in enumerate(names):
+            if name in per_name:
+                out.setdefault(i, {})[state_name] = per_name[name]
+    return out
+
+
+def _state_tree(users: list) -> dict:
+    """/progress/user_state/worker<i>: each worker's skeleton (bytes) and its tensors (of
+    the workers that passed ``state=``)."""
+    if not any(u is not None for u in users):
         return {}
     return {
         _USER: {
-            f"worker{i}": {"skeleton": skeleton, "tensors": tensors}
-            for i, (skeleton, tensors) in enumerate(users)
+            f"worker{i}": {"skeleton": u[0], "tensors": u[1]}
+            for i, u in enumerate(users)
+            if u is not None
         }
     }
 
@@ -284,35 +341,75 @@ def _restore(ck: ckpt.Checkpoint, model: torch.nn.Module, optimizer, engine, s) 
         )
     names = param_names(model, optimizer)
     sd = torch_state(ck, names)
-    hfa = ck.algorithm.get("hfa", {})
-    local = hfa.get("local", {})
-    if engine is not None and engine.algo.optimizer_state_per_worker and local:
-        me = f"worker{s.topo.worker_index(s.rank)}"
-        if len(local) == s.topo.num_workers or me in local:
-            sd["state"] = _indexed(local.get(me, {}), names, ck.path)
-    for key, state_name in OUTER_KEYS.items():
-        if hfa.get(state_name):
-            sd[key] = _indexed({"m": hfa[state_name]}, names, ck.path, only="m")
-    if "global_updates" in ck.algorithm:
-        sd[UPDATES_KEY] = int(ck.algorithm["global_updates"])
+    if engine is None:
+        held = None
+    else:
+        held = held_in_file(ck, engine, names)
+        if engine.optimizer_state_on_servers:
+            sd["state"] = {}  # the workers keep none: the global servers step (``held``)
+        local = get_section(ck.algorithm, engine.algo.worker_state_section)
+        if engine.algo.optimizer_state_per_worker and local:
+            me = f"worker{s.topo.worker_index(s.rank)}"
+            if len(local) == s.topo.num_workers or me in local:
+                sd["state"] = _indexed(local.get(me, {}), names, ck.path)
     for now, saved in zip(optimizer.param_groups, sd["param_groups"]):
         for k, v in saved.items():  # JSON made tuples (Adam's betas) lists: give them back
             if isinstance(now.get(k), tuple) and isinstance(v, list):
                 saved[k] = tuple(v)
-    held = None
-    if engine is not None:
-        held, sd = split_held(engine, sd)
-    try:
-        base = getattr(optimizer, "_geompi_base", type(optimizer))
-        base.load_state_dict(optimizer, sd)  # torch's own: what the workers keep
-    except (ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(
-            f"{ck.path}: optimizer state does not fit this optimizer ({e}): "
-            "build it with the same param groups"
-        ) from None
+    _load_torch(optimizer, sd, ck.path)
     if engine is not None and ck.algorithm.get("strategy"):
         engine.load_state(ck.algorithm["strategy"])
     return held
+
+
+def _load_torch(optimizer, sd: dict, path) -> None:
+    """torch's own ``load_state_dict`` of ``optimizer`` (no round: what the workers keep)."""
+    try:
+        base = getattr(optimizer, "_geompi_base", type(optimizer))
+        base.load_state_dict(optimizer, sd)
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(
+            f"{path}: optimizer state does not fit this optimizer ({e}): "
+            "build it with the same param groups"
+        ) from None
+
+
+def held_in_file(ck: ckpt.Checkpoint, engine, names: list[str] | None = None) -> dict:
+    """What the global servers are to hold of a checkpoint, by parameter name (the arguments
+    of ``HeldState.shard_states``): its /optimizer where they step, HFA's outer optimizer's
+    state, DCASGD's backups (every datacenter restarts from /model) and the update counter.
+    ``geompi.load`` and the CLI's ``--resume`` restore the servers through it. ``names``: the
+    parameters the optimizer holds, which the outer state must not go beyond. An outer
+    optimizer's state where this run's servers keep none is refused."""
+    hfa = ck.algorithm.get("hfa", {})
+    outer = [n for n in OUTER_STATE.values() if hfa.get(n)]
+    if outer and not engine.holds_server_state:
+        raise ConfigError(
+            f"{ck.path}: holds an outer optimizer's state, but this HFA's keeps none: build it "
+            "with the same outer_optimizer"
+        )
+    if names is not None:
+        for state_name in outer:
+            _indexed({state_name: hfa[state_name]}, names, ck.path)  # refuses an unknown name
+    algorithm = dict(ck.algorithm)
+    if getattr(engine.algo, "dcasgd", False):  # every datacenter restarts from /model
+        algorithm["dcasgd"] = {"backup": True}
+    on_servers = engine.optimizer_state_on_servers
+    return {
+        "optimizer": ck.optimizer if on_servers else {},
+        "algorithm": algorithm,
+        "model": ck.model,
+    }
+
+
+def load_own_state(optimizer, model: torch.nn.Module, named: dict, path) -> None:
+    """This worker's own optimizer state, ``{state: {param name: tensor}}`` as
+    ``own_optimizer_state`` gives it, into ``optimizer`` (its param groups as they are)."""
+    names = param_names(model, optimizer)
+    base = getattr(optimizer, "_geompi_base", type(optimizer))
+    sd = base.state_dict(optimizer)
+    sd["state"] = _indexed(named, names, path)
+    _load_torch(optimizer, sd, path)
 
 
 def _restore_state(ck: ckpt.Checkpoint, state: dict | None, s) -> dict:

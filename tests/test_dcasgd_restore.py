@@ -15,6 +15,11 @@ from geompi.checkpointing import Checkpointing
 from geompi.comm.buckets import Buckets
 from geompi.comm.topology import Topology
 
+# what server_states asks of the engine: its servers step and keep the state
+_ENGINE = SimpleNamespace(
+    optimizer_state_on_servers=True, holds_server_state=True, algo=SimpleNamespace()
+)
+
 
 def _net() -> torch.nn.Module:
     torch.manual_seed(5)
@@ -42,7 +47,7 @@ def test_restored_backups_are_the_checkpointed_model(tmp_path):
     topo = Topology.plan(11, dc_sizes=(3, 3, 3), global_servers=2)
     buckets = Buckets(list(_net().named_parameters()), cap_bytes=64)  # several keys
     assert len(buckets) > 1
-    cp = Checkpointing(SimpleNamespace(buckets=buckets, topo=topo))
+    cp = Checkpointing(SimpleNamespace(buckets=buckets, topo=topo, engine=_ENGINE))
     cp.loaded = ckpt.load(path)
     states = cp.server_states()
     assert len(states) == 2

@@ -15,6 +15,11 @@ from geompi.comm.buckets import Buckets
 from geompi.comm.topology import Topology
 from geompi.ps.fragments import fragment_plan
 
+# what server_states asks of the engine: its servers step and keep the state
+_ENGINE = SimpleNamespace(
+    optimizer_state_on_servers=True, holds_server_state=True, algo=SimpleNamespace()
+)
+
 
 def _net() -> torch.nn.Module:
     """Uneven parameter sizes (7 to 816 values), so that equal fractions fall inside them."""
@@ -93,7 +98,7 @@ def test_checkpoint_state_of_cut_parameters_round_trips(tmp_path):
     topo = Topology.plan(7, dc_sizes=(3, 2), global_servers=2)
     buckets = Buckets(list(_net().named_parameters()), 400, 3)
     assert any(not m.whole for b in buckets for m in b.members)
-    cp = Checkpointing(SimpleNamespace(buckets=buckets, topo=topo))
+    cp = Checkpointing(SimpleNamespace(buckets=buckets, topo=topo, engine=_ENGINE))
     cp.loaded = ckpt.load(path)
     states = cp.server_states()
     starts = {b.key: sum(c.numel for c in buckets.buckets[: b.key]) for b in buckets}

@@ -1,7 +1,10 @@
 """The same job through the CLI and through an API script, in one mpirun (7 ranks: datacenters
-of 3 and 2 workers, 2 global servers): ``geompi.train.train(cfg)``, then ``geompi.init()`` and a
-plain torch loop over the same data shards with ``DistributedOptimizer`` and the algorithm the
-CLI's flags describe. Rank 0 writes both final models to OUT/<name>.pt.
+of 3 and 2 ranks, each with its local server, so 2 and 1 workers; 2 global servers):
+``geompi.train.train(cfg)``, then ``geompi.init()`` and a plain torch loop over the same data
+shards with ``DistributedOptimizer`` and the algorithm the CLI's flags describe. Rank 0 writes
+both final models to OUT/<name>.pt. Each writes its last checkpoint: the CLI's to
+OUT/cli_<name>/ (--checkpoint-dir), the API's with ``geompi.save`` to OUT/api_<name>.h5 (one
+checkpoint path: they hold the same state).
 
 Run: mpirun -n 7 python -m mpi4py tests/progs/cli_vs_api.py OUT
 """
@@ -36,7 +39,7 @@ CASES = {
 }
 
 
-def through_the_api(cfg) -> dict:
+def through_the_api(cfg, name: str) -> dict:
     """What a user's script does with the CLI's settings: the CLI's data shard and model
     (same seeds), its optimizer as a torch optimizer, its algorithm, a plain loop."""
     algo = sync.from_config(cfg)  # FSA with the optimizer on the servers, as the CLI's
@@ -55,6 +58,7 @@ def through_the_api(cfg) -> dict:
         opt.set_batch_size(len(y))
         loss_fn(model(x), y).backward()
         opt.step()
+    geompi.save(out / f"api_{name}.h5", model=model, optimizer=opt, step=cfg.steps)
     opt.close()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
@@ -63,14 +67,14 @@ def through_the_api(cfg) -> dict:
 # servers serve the API's optimizers in turn, then exit.
 cli = {}
 for name, flags in CASES.items():
-    summary = train(make_config([*COMMON, *flags]))
+    summary = train(make_config([*COMMON, *flags, "--checkpoint-dir", str(out / f"cli_{name}")]))
     if summary is not None:
         cli[name] = summary
 cfgs = {name: make_config([*COMMON, *flags]).validate() for name, flags in CASES.items()}
 first = next(iter(cfgs.values()))
 geompi.init(dc_sizes=first.dc_sizes, global_servers=first.global_servers)
 for name, cfg in cfgs.items():
-    api = through_the_api(cfg)
+    api = through_the_api(cfg, name)
     if geompi.is_master():
         s = cli[name]
         torch.save({"cli": s["model"], "api": api, "steps": s["steps"]}, out / f"{name}.pt")
