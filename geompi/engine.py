@@ -238,24 +238,24 @@ class Synchronizer:
                 b.grads.copy_(b.params)
             else:
                 b.grads.zero_()
-            self.client.push(reqs, b.grads)
+            reqs.push(b.grads)
         if self.aux_len:
             self.aux_send.zero_()
             if self.master:
                 self.pack_buffers(self.side.buffer_slice(self.aux_send), 1.0)
-            self.client.push(reqs, self.aux_send)
+            reqs.push(self.aux_send)
         if presence:
             self.present_g.zero_()
-            self.client.push(reqs, self.present_g.view(-1))
+            reqs.push(self.present_g.view(-1))
         for b in self.buckets:
-            self.client.pull(reqs, b.params)
+            reqs.pull(b.params)
         if self.aux_len:
-            self.client.pull(reqs, self.aux_recv)
+            reqs.pull(self.aux_recv)
         if presence:
-            self.client.pull(reqs, self.present_out)
+            reqs.pull(self.present_out)
         if send_restore is not None:
             send_restore(reqs)
-        self.client.wait(reqs)
+        reqs.wait()
         if self.aux_len:
             self.unpack_buffers(self.side.buffer_slice(self.aux_recv), 1.0)
 

@@ -15,6 +15,7 @@ import torch
 from geompi.comm import faults
 from geompi.comm.transport import Requests
 from geompi.errors import ConfigError
+from geompi.ps.client import ClientRound
 from geompi.ps.protocol import FLAG_STATS, Op
 
 # Every this many rounds a worker looks through the whole model for a trainable parameter its
@@ -40,7 +41,8 @@ class GradientRounds:
         self.weight = 1.0  # this worker's weight in the round under way (its samples)
         self.ready: list[int] = []
         self.issued = 0
-        self.reqs: Requests | None = None
+        # this step's round; a stand-in that posted nothing after a lost rank (it is redone)
+        self.reqs: ClientRound | Requests | None = None
         self.begun = 0  # rounds begun
         # who tells the servers of a change of the hyperparameters (the worker side says), and
         # what the servers' optimizer last heard from this worker (the INIT spec is the
@@ -113,8 +115,8 @@ class GradientRounds:
             self.reqs = Requests(e.stats, None, "the local server")  # nothing posted
             e.recovery.lost_while_pushing(err)
 
-    def start(self) -> Requests:
-        """Post this step's GRAD round header; returns its requests."""
+    def start(self) -> ClientRound:
+        """Post this step's GRAD round header; returns its handle."""
         e = self.e
         flags = e.side.round_flags() | e.lan_flags | (FLAG_STATS if e.want_stats else 0)
         self.issued = 0
@@ -139,8 +141,8 @@ class GradientRounds:
             b = buckets.buckets[self.issued]
             if complete_only and self.ready[b.key] < self.trainable[b.key]:
                 return
-            assert self.reqs is not None  # begin posted the round
-            self.e.client.push(self.reqs, b.grads)
+            assert isinstance(self.reqs, ClientRound)  # begin posted the round
+            self.reqs.push(b.grads)
             self.issued += 1
 
     @torch.no_grad()
@@ -167,13 +169,13 @@ class GradientRounds:
         e = self.e
         self._issue(complete_only=False)  # parameters without a gradient here push zeros
         reqs = self.reqs
-        assert reqs is not None  # begin posted the round
+        assert isinstance(reqs, ClientRound)  # begin posted the round
         e.side.push_rest(reqs)
         e.recovery.pull_pause()
         e.side.pull_results(reqs)
-        if e.client.flags & FLAG_STATS:
-            e.client.pull_stats(reqs, e.server_counts)
-        e.client.wait(reqs)
+        if reqs.flags & FLAG_STATS:
+            reqs.pull_stats(e.server_counts)
+        reqs.wait()
         if faults.watching():
             e.recovery.keep_results()
 

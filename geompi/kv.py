@@ -30,10 +30,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from geompi.comm.topology import Topology
-from geompi.comm.transport import LAN, Link, Requests
+from geompi.comm.transport import LAN, Link
 from geompi.config import make_config
 from geompi.errors import ConfigError
-from geompi.ps.client import PSClient
+from geompi.ps.client import ClientRound, PSClient
 from geompi.ps.optim import Spec, spec_to_dict
 from geompi.ps.protocol import MAX_KEYS, Op
 from geompi.runtime import install_excepthook
@@ -64,7 +64,7 @@ class Handle:
 @dataclass
 class _Round:
     seq: int
-    reqs: Requests | None = None
+    reqs: ClientRound | None = None
     outs: list[tuple[torch.Tensor, _Key]] = field(default_factory=list)
 
 
@@ -177,7 +177,7 @@ class KVStore:
                 entries = sorted(self._keys.values(), key=lambda e: e.id)
                 reqs = self._client.start(Op.STOP, [(e.id, e.value.numel()) for e in entries])
                 for e in entries:
-                    self._client.pull(reqs, e.value)
+                    reqs.pull(e.value)
                 reqs.wait()
             else:
                 self._client.stop()
@@ -215,11 +215,10 @@ class KVStore:
         keys = [(e.id, e.value.numel()) for e, _ in part]
         reqs = self._client.start(op, keys, weight=weight, spec=spec, flags=flags)
         for _, data in part:
-            self._client.push(reqs, data)
+            reqs.push(data)
         for entry, _ in part:
-            self._client.pull(reqs, entry.value)
+            reqs.pull(entry.value)
         self._inflight = _Round(self._seq, reqs)
-        self._pending_data = part  # keep the send buffers alive until the round completes
         self._seq += 1
 
     def _complete(self, seq: int) -> None:
@@ -232,7 +231,6 @@ class KVStore:
         for out, entry in r.outs:
             _copy_out(out, entry)
         self._inflight = None
-        self._pending_data = None
 
 
 def _copy_out(out: torch.Tensor, entry: _Key) -> None:

@@ -104,10 +104,10 @@ def round_trip(
     outs = [torch.full((n,), float("nan")) for _, n in keys]
     reqs = client.start(op, keys, weight, **kw)
     for p in pushes:
-        client.push(reqs, p)
+        reqs.push(p)
     for o in outs:
-        client.pull(reqs, o)
-    client.wait(reqs)
+        reqs.pull(o)
+    reqs.wait()
     return outs
 
 

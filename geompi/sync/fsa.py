@@ -131,14 +131,14 @@ class FSAWorker(WorkerSide):
         e.aux_send[0] = e.rounds.weight
         e.aux_send[1 : 1 + len(e.params)].copy_(e.present_g[0])
         e.pack_buffers(self.buffer_slice(e.aux_send), e.rounds.weight)
-        e.client.push(reqs, e.aux_send)
+        reqs.push(e.aux_send)
 
     def pull_results(self, reqs) -> None:
         # fresh tensors: a .grad the user kept from the last step (a view) keeps its values
         self.results = [torch.empty_like(t) for t in self.results]
         for out in self.results:
-            self.e.client.pull(reqs, out)
-        self.e.client.pull(reqs, self.e.aux_recv)
+            reqs.pull(out)
+        reqs.pull(self.e.aux_recv)
 
     def after_round(self) -> None:
         """The global gradient into ``.grad`` (None where no worker had one: torch.optim then
@@ -224,16 +224,16 @@ class FSAServersWorker(FSAWorker):
         e = self.e
         if e.aux_len:
             e.pack_buffers(e.aux_send, e.rounds.weight)
-            e.client.push(reqs, e.aux_send)
-        e.client.push(reqs, presence_payload(e.present_g.view(-1)))
+            reqs.push(e.aux_send)
+        reqs.push(presence_payload(e.present_g.view(-1)))
 
     def pull_results(self, reqs) -> None:
         e = self.e
         for b in e.buckets:
-            e.client.pull(reqs, b.params)
+            reqs.pull(b.params)
         if e.aux_len:
-            e.client.pull(reqs, e.aux_recv)
-        e.client.pull(reqs, e.present_out)
+            reqs.pull(e.aux_recv)
+        reqs.pull(e.present_out)
 
     def after_round(self) -> None:
         if self.e.aux_len:  # the servers' mean of the buffers

@@ -620,18 +620,18 @@ class HFAWorker(WorkerSide):
         k2 = cadence.k2 if cadence is not None else 0
         reqs = e.client.start(Op.AVG, e.keys(), weight=weight, flags=flags, k2=k2)
         if k2:
-            e.client.pull_exchanges(reqs, cadence.told)
+            reqs.pull_exchanges(cadence.told)
         for b in e.buckets:
-            e.client.push(reqs, b.grads)
+            reqs.push(b.grads)
         if e.aux_len:
-            e.client.push(reqs, e.aux_send)
+            reqs.push(e.aux_send)
         for b in e.buckets:
-            e.client.pull(reqs, b.params)
+            reqs.pull(b.params)
         if e.aux_len:
-            e.client.pull(reqs, e.aux_recv)
+            reqs.pull(e.aux_recv)
         if flags & FLAG_STATS:
-            e.client.pull_stats(reqs, e.server_counts)
-        e.client.wait(reqs)
+            reqs.pull_stats(e.server_counts)
+        reqs.wait()
         self.pushed_weight = None
         if e.aux_len:
             e.unpack_buffers(e.aux_recv, 1.0)

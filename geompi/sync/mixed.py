@@ -63,10 +63,10 @@ class MixedWorker(FSAServersWorker):
         e = self.e
         reqs = e.client.start(Op.STOP, e.keys(presence=False))
         for b in e.buckets:
-            e.client.pull(reqs, b.params)
+            reqs.pull(b.params)
         if e.aux_len:
-            e.client.pull(reqs, e.aux_recv)
-        e.client.wait(reqs)
+            reqs.pull(e.aux_recv)
+        reqs.wait()
         if e.aux_len:
             e.unpack_buffers(e.aux_recv, 1.0)
 
