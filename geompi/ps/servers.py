@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from geompi.comm.topology import Communicators, Role, Topology
 from geompi.comm.transport import WAN, Link, LinkStats
-from geompi.ps.async_tier import AsyncGlobalServer, AsyncUplink
+from geompi.ps.async_tier import AsyncGlobalServer
+from geompi.ps.async_uplink import AsyncUplink
 from geompi.ps.global_server import GlobalServer
 from geompi.ps.local_server import LocalServer, SyncUplink
 from geompi.ps.policy import AsyncPolicy, GlobalPolicy, LocalPolicy
