@@ -19,9 +19,16 @@ step time over the step time (``c / measured step``; so its error is the step ti
 reported, not judged: the run's own compute share (``compute_s / wall_s`` of its summary:
 forward and backward only, without LAN rounds or the optimizer).
 
-``--launcher``: the command that starts the job, ``{n}`` standing for the rank count; e.g.
-a network-namespace harness (tests/netns.py) that shapes the links in the kernel. Writes
-bench/results/plan_check.json.
+``--launcher``: the command that starts the job, ``{n}`` standing for the rank count.
+
+``--kernel`` (root, ``ip netns``): the same settings on real links. The job runs across network
+namespaces (tests/netns.py: each datacenter a host, the global server a third, MPI over TCP
+only, ``--dc-map nodes``); each held-out setting's bandwidth is the kernel's (``tc tbf`` on
+every datacenter's link, set before its run by tests/progs/netns_runs.py) and only its
+latency stays in geompi's link model (there is no ``netem`` here). The calibration runs in the
+same job on unshaped links, on the emulated link as above, so ``c`` is measured over the same
+transport. The planner is not told which way a link was made. Writes
+bench/results/plan_check_kernel.json.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ from geompi.plan import Setting, model_params, predict  # noqa: E402
 from geompi.sync import FSA, HFA, Algorithm, MixedSync  # noqa: E402
 
 DC_SIZES = (3, 3)
+HOSTS = [("dc0", 3), ("dc1", 3), ("gs", 1)]  # --kernel: a network namespace each
 # The calibration: a datacenter round every 4 steps, each one global, on an emulated link
 # (so that the servers wait in the link's holds as in the runs predicted) that no held-out
 # setting uses; what the link held them is measured by the local servers and taken out.
@@ -71,14 +79,19 @@ HELD_OUT: list[tuple[Algorithm, str, str, str]] = [
 QUICK = [0, 5, 9]  # --quick: one synchronous, one HFA, one streaming with overlap
 
 
-def cli_args(algo: Algorithm, codec: str, bw: str | None, lat: str | None) -> list[str]:
-    """The geompi.train flags of one setting."""
+def cli_args(
+    algo: Algorithm, codec: str, bw: str | None, lat: str | None, kernel: bool = False
+) -> list[str]:
+    """The geompi.train flags of one setting (``kernel``: the bandwidth is the kernel's, only
+    the latency is emulated)."""
     a = ["--sync", algo.name]
     if isinstance(algo, HFA):
         a += ["--k1", str(algo.k1), "--k2", str(algo.k2)]
         a += ["--hfa-fragments", str(algo.fragments)] + (["--hfa-overlap"] if algo.overlap else [])
     a += ["--wan-compression", codec]
-    if bw:
+    if kernel:
+        a += ["--wan-latency", lat or "0ms"]
+    elif bw:
         a += ["--wan-bandwidth", bw, "--wan-latency", lat or "0ms"]
     return a
 
@@ -133,26 +146,47 @@ def window(path: pathlib.Path, cycle: int, steps: int) -> dict:
     }
 
 
-def launch(launcher: str, n: int, runs: list[list[str]], out: pathlib.Path, timeout: float):
-    """All runs in one job of tests/progs/train_runs.py; a hard timeout kills the job."""
+def launch(
+    launcher: str,
+    n: int,
+    runs: list[list[str]],
+    out: pathlib.Path,
+    timeout: float,
+    rates: list[float | None] | None = None,
+):
+    """All runs in one job of tests/progs/train_runs.py; a hard timeout kills the job.
+    ``rates`` (bits/s, None: unshaped): across network namespaces instead, each run on its
+    kernel-shaped links (tests/progs/netns_runs.py)."""
     spec = out / "runs.json"
-    spec.write_text(json.dumps([{"args": r, "env": {}} for r in runs]))
-    cmd = shlex.split(launcher.format(n=n)) + [
-        sys.executable,
-        str(ROOT / "tests/progs/train_runs.py"),
-        str(out),
-        str(spec),
-    ]
-    from geompi.runtime import LOCAL_OPENMPI_ENV
+    if rates is not None:
+        spec.write_text(json.dumps([{"args": r, "rate": x} for r, x in zip(runs, rates)]))
+        from tests import netns
 
-    env = {**os.environ, **LOCAL_OPENMPI_ENV, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, start_new_session=True)
-    try:
-        rc = proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        proc.wait()
-        raise SystemExit(f"plan_check: the job ran past {timeout:.0f} s and was killed") from None
+        prog = str(ROOT / "tests/progs/netns_runs.py")
+        with netns.Cluster(HOSTS) as cluster:
+            try:
+                rc = cluster.run([sys.executable, prog, str(out), str(spec)], timeout).returncode
+            except TimeoutError:
+                raise SystemExit(f"plan_check: the job ran past {timeout:.0f} s") from None
+    else:
+        spec.write_text(json.dumps([{"args": r, "env": {}} for r in runs]))
+        cmd = shlex.split(launcher.format(n=n)) + [
+            sys.executable,
+            str(ROOT / "tests/progs/train_runs.py"),
+            str(out),
+            str(spec),
+        ]
+        from geompi.runtime import LOCAL_OPENMPI_ENV
+
+        env = {**os.environ, **LOCAL_OPENMPI_ENV, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+        proc = subprocess.Popen(cmd, env=env, cwd=ROOT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+            why = f"plan_check: the job ran past {timeout:.0f} s and was killed"
+            raise SystemExit(why) from None
     for i in range(len(runs)):
         rc_file, err_file = out / f"run{i}.rank0.rc", out / f"run{i}.rank0.err"
         if not rc_file.exists() or rc_file.read_text().strip() != "0":
@@ -170,14 +204,21 @@ def check(
     budget_s: float,
     out: pathlib.Path,
     timeout: float,
+    kernel: bool = False,
 ) -> dict:
-    """Calibrate, run ``settings``, and compare; returns the results (JSON-able)."""
+    """Calibrate, run ``settings``, and compare; returns the results (JSON-able). ``kernel``:
+    across network namespaces, each setting's bandwidth shaped by the kernel."""
     n = sum(DC_SIZES) + GLOBAL_SERVERS
     common = ["--model", "cnn", "--batch-size", str(batch), "--eval-every", "0"]
-    common += ["--dc-sizes", ",".join(map(str, DC_SIZES)), "--global-servers", str(GLOBAL_SERVERS)]
-    runs, metas = [], []
+    if kernel:  # one host per datacenter (and one for the global server): the hosts' layout
+        common += ["--dc-map", "nodes"]
+    else:
+        dcs = ",".join(map(str, DC_SIZES))
+        common += ["--dc-sizes", dcs, "--global-servers", str(GLOBAL_SERVERS)]
+    runs, metas, rates = [], [], []
     cal = ["--steps", str(cal_steps), "--metrics", str(out / "cal.jsonl")]
     runs.append(common + cal + cli_args(CALIBRATION, "none", *CALIBRATION_LINK))
+    rates.append(None)  # the calibration: the model's link on unshaped ones
     cal_end = ["--steps", str(cal_steps), "--metrics", str(out / "cal_end.jsonl")]
     for i, (algo, codec, bw, lat) in enumerate(settings):
         steps = steps_for(algo, codec, cycles, bw, lat, budget_s)
@@ -185,12 +226,14 @@ def check(
         runs.append(
             common
             + ["--steps", str(steps), "--metrics", str(out / f"m{i}.jsonl")]
-            + cli_args(algo, codec, bw, lat)
+            + cli_args(algo, codec, bw, lat, kernel)
         )
+        rates.append(parse_rate(bw))
     runs.append(common + cal_end + cli_args(CALIBRATION, "none", *CALIBRATION_LINK))
+    rates.append(None)
     t0 = time.time()
     cpu0 = os.times()
-    launch(launcher, n, runs, out, timeout)
+    launch(launcher, n, runs, out, timeout, rates if kernel else None)
     cpu1 = os.times()
     # the job's first run and its last, pooled: the load drifts
     c, r = calibrate([out / "cal.jsonl", out / "cal_end.jsonl"])
@@ -238,6 +281,10 @@ def check(
             "round_s": r,
         },
         "launcher": launcher,
+        "links": "kernel-shaped bandwidth (tc tbf between network namespaces, MPI over TCP), "
+        "the latency in geompi's link model"
+        if kernel
+        else "geompi's link model (bandwidth and latency), one host",
         "rows": rows,
         "within_10pct": sum(
             abs(r["step_error"]) <= 0.1 and abs(r["utilisation_error"]) <= 0.1 for r in rows
@@ -262,8 +309,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", help="keep the runs' files in this directory")
     p.add_argument("--quick", action="store_true", help="3 settings only")
     p.add_argument("--timeout", type=float, default=900)
-    p.add_argument("--out", default=str(ROOT / "bench/results/plan_check.json"))
+    p.add_argument("--kernel", action="store_true", help="kernel-shaped links (root, netns)")
+    p.add_argument("--out", help="default: bench/results/plan_check[_kernel].json")
     args = p.parse_args(argv)
+    name = "plan_check_kernel.json" if args.kernel else "plan_check.json"
+    args.out = args.out or str(ROOT / "bench/results" / name)
+    if args.kernel:
+        from tests import netns
+
+        why = netns.unavailable()
+        if why:
+            print(f"plan_check: skipped: {why}", file=sys.stderr)
+            return 0
     mpirun = pathlib.Path(sys.executable).parent / "mpirun"
     launcher = args.launcher.replace("mpirun", str(mpirun), 1) if mpirun.exists() else args.launcher
     settings = [HELD_OUT[i] for i in QUICK] if args.quick else HELD_OUT
@@ -279,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
             budget_s=args.budget,
             out=pathlib.Path(tmp),
             timeout=args.timeout,
+            kernel=args.kernel,
         )
     for r in res["rows"]:
         print(

@@ -115,10 +115,10 @@ if role is Role.WORKER:
     spec = json.dumps({"optimizer": spec_to_dict(SGD(lr=1e-9))}).encode()
     reqs = client.start(Op.INIT, keys, spec=spec if rank == 0 else None)
     for g in grads:
-        client.push(reqs, g)
+        reqs.push(g)
     reqs.wait()
     for p in params:
-        client.pull(reqs, p)
+        reqs.pull(p)
     reqs.wait()
 else:
     server = build_server(topo, comms, stats)  # FSA's: synchronous, one round per step
@@ -197,12 +197,12 @@ def geompi_round(group: list[tuple[int, int]], flags: int = 0) -> None:
         return
     reqs = client.start(Op.GRAD, group, weight=1.0, flags=flags)
     for key, _ in group:
-        client.push(reqs, grads[key])
+        reqs.push(grads[key])
     if params is grads:
-        client.wait(reqs)
+        reqs.wait()
     for key, _ in group:
-        client.pull(reqs, params[key])
-    client.wait(reqs)
+        reqs.pull(params[key])
+    reqs.wait()
 
 
 raw_bufs: list[dict] = [{} for _ in groups]
