@@ -206,7 +206,7 @@ class Worker:
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         n = len(y)
         self.model.zero_grad(set_to_none=True)
-        self.engine.explicit_samples = n  # as opt.set_batch_size(n)
+        self.opt.set_batch_size(n)
         waited = self.stats.wait_s[LAN]
         loss = self.loss_fn(self.model(x), y)
         if self.step + 1 == self._nan_at:  # fault injection for tests (GEOMPI_FAULT_NAN_AT)
@@ -220,7 +220,7 @@ class Worker:
         last = self.step + 1 == self.total_steps
         if (last or self.every and (self.step + 1) % self.every == 0) and side.make_global_next():
             self.made_global_at = self.step + 1
-        syncs = self.engine.global_syncs
+        syncs = self.opt.global_syncs
         try:
             self.opt.step()
             if agreeing:
@@ -239,7 +239,7 @@ class Worker:
         if self.every and self.step % self.every == 0 and not at_close:
             self._save_surviving(log)
             self.saved_at = self.step
-        if self.rewind and self.engine.global_syncs != syncs:  # a global average, this step
+        if self.rewind and self.opt.global_syncs != syncs:  # a global average, this step
             self.rewind.record()
         if in_round is None and not self.stopping and self.step < self.total_steps:
             try:
@@ -279,11 +279,11 @@ class Worker:
             "preempted": self.preempted,
             "stopped_at": stopped_at,  # HFA: "steps" is the last global sync, if earlier
             "checkpointed": self.checkpoints and not nothing_new,
-            "global_syncs": self.engine.global_syncs,
+            "global_syncs": self.opt.global_syncs,
             "signal": stop.signal_name,
         }
-        if self.engine.failures:
-            out["failures"] = self.engine.failures
+        if self.opt.failures:
+            out["failures"] = self.opt.failures
         if side.cadence is not None:  # --adaptive-sync: the K2 it ended with
             out.update(k2=side.cadence.k2, k2_changes=len(side.cadence.changes))
         return out
@@ -301,7 +301,7 @@ class Worker:
         counts them). Where the workers agree on a stop after every step, they next agree
         after the first step trained without the lost ranks."""
         side = self.engine.side
-        for failure in self.engine.failures[self.failures_seen :]:
+        for failure in self.opt.failures[self.failures_seen :]:
             at = failure["step"]
             done = side.trained_by_lost(self.samples, self.step, at, self.last_batch)
             self.samples_of_lost += failure["lost_workers"] * done
@@ -309,7 +309,7 @@ class Worker:
                 self.stop.resume_at = at
             if log is not None:
                 log.record("failure", event="failure", **failure)
-        self.failures_seen = len(self.engine.failures)
+        self.failures_seen = len(self.opt.failures)
 
     def _resume(self) -> None:
         """Restore the checkpoint (if any) everywhere: the master's model, each worker's data
