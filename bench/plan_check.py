@@ -228,7 +228,7 @@ def check(
             + ["--steps", str(steps), "--metrics", str(out / f"m{i}.jsonl")]
             + cli_args(algo, codec, bw, lat, kernel)
         )
-        rates.append(parse_rate(bw))
+        rates.append(8 * parse_rate(bw))  # bits/s, as tc takes them (parse_rate: bytes/s)
     runs.append(common + cal_end + cli_args(CALIBRATION, "none", *CALIBRATION_LINK))
     rates.append(None)
     t0 = time.time()
