@@ -730,7 +730,30 @@ def render_plan_check(d: dict) -> list[str]:
         "",
         f"{d.get('within_10pct')} of {len(d['rows'])} settings within 10% in time per step and "
         f"utilisation; {d.get('cores')} cores, load average {d.get('load_avg')}; predicted from "
-        "calibration runs alone (geompi.plan), never fitted on these settings.",
+        "calibration runs alone (geompi.plan), never fitted on these settings."
+        + (f" Links: {d['links']}." if d.get("links") else ""),
+    ]
+    return out
+
+
+def render_compare_commits(d: dict) -> list[str]:
+    commits = d.get("commits", {})
+    rows = [
+        [
+            name,
+            f"{num(s['old_median'], 4)} [{num(s['old_range'][0], 4)}, {num(s['old_range'][1], 4)}]",
+            f"{num(s['new_median'], 4)} [{num(s['new_range'][0], 4)}, {num(s['new_range'][1], 4)}]",
+            num(s["new_over_old"], 3),
+        ]
+        for name, s in d.get("summary", {}).items()
+    ]
+    out = table(["figure", "old: median [range]", "new: median [range]", "new / old"], rows)
+    out += [
+        "",
+        f"old {str(commits.get('old', ''))[:10]}, new {str(commits.get('new', ''))[:10]}; "
+        f"{d.get('rounds')} rounds alternating, {d.get('ranks')} ranks on {d.get('cpus')} CPUs. "
+        "`*_over_*`: geompi against the floor measured in the same job (lower is better); "
+        "`*_cpu_s`: CPU seconds summed over the ranks (the timed steps, or one round).",
     ]
     return out
 
@@ -768,6 +791,8 @@ RENDERERS = {
     "real_wan_20mbit": render_real_wan,
     "real_wan_mixed": render_real_wan,
     "plan_check": render_plan_check,
+    "plan_check_kernel": render_plan_check,
+    "compare_commits": render_compare_commits,
 }
 TITLES = {
     "adaptive_wan": "HFA's adaptive cadence on two emulated WAN links (1 Gbit/s, 100 Mbit/s)",
@@ -792,6 +817,10 @@ TITLES = {
     "real_wan": "The link model against kernel-shaped links between network namespaces",
     "plan_check": "geompi plan's predictions against emulated runs it was not fitted on "
     "(bench/plan_check.py)",
+    "plan_check_kernel": "The same on kernel-shaped links between network namespaces "
+    "(bench/plan_check.py --kernel)",
+    "compare_commits": "Before and after the one-path redesign (issue 36): throughput and rounds "
+    "of two commits (bench/compare_commits.py)",
     "real_wan_20mbit": "The same on a link-bound setting: FSA and HFA at 20 Mbit/s, 60 steps "
     "(bench/real_wan.py --methods fsa,hfa --rates 20mbit --steps 60)",
     "real_wan_mixed": "MixedSync across network namespaces too (bench/real_wan.py --methods mixed)",

@@ -350,6 +350,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{res['calibration']['compute_s'] * 1e3:.1f} ms a step, a round "
         f"{res['calibration']['round_s'] * 1e3:.1f} ms; worst {res['worst_error']:.1%}"
     )
+    given = argv if argv is not None else sys.argv[1:]
+    command = shlex.join(["python", "bench/plan_check.py", *given])
+    res = {"benchmark": "plan_check", "command": command, **res}
     pathlib.Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
     return 0
 
