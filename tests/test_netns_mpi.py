@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -33,7 +34,7 @@ OVERHEAD = 0.02
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> tuple[list[dict], list[dict], list[str], str]:
+def runs(tmp_path_factory) -> tuple[list[dict], list[dict], list[str], str, Path]:
     """One job, three runs: HFA shaped, HFA unshaped, MixedSync unshaped."""
     tmp_path = tmp_path_factory.mktemp("netns")
     args = ["--dc-map", "nodes", "--sync", "hfa", "--k1", "4", "--k2", "2", "--steps", "96"]
@@ -57,7 +58,7 @@ def runs(tmp_path_factory) -> tuple[list[dict], list[dict], list[str], str]:
     nets = [json.loads((tmp_path / f"run{i}.net.json").read_text()) for i in range(len(spec))]
     hosts = json.loads((tmp_path / "hosts.json").read_text())
     assert hosts == [n for n, (_, k) in zip(names, HOSTS, strict=True) for _ in range(k)]
-    return summaries, nets, names, prefix
+    return summaries, nets, names, prefix, tmp_path
 
 
 def _moved(net: dict, host: int, what: str = "bytes") -> tuple[int, int]:
@@ -73,7 +74,7 @@ def _payload(net: dict, host: int) -> int:
 
 
 def test_training_across_namespaces(runs):
-    summaries, nets, names, prefix = runs
+    summaries, nets, names, prefix, _ = runs
     # nothing of the run remains
     spaces, links = netns.ours()
     assert not [n for n in spaces + links if n.startswith(prefix)]
@@ -120,6 +121,33 @@ def test_mixedsync_across_namespaces(runs):
     payload_up = sent_by_dcs - HEADERS * packets_by_dcs
     assert down * (1 - OVERHEAD) <= payload_down <= down * (1 + OVERHEAD), (payload_down, down)
     assert up <= payload_up <= (up + 2 * down) * (1 + OVERHEAD), (payload_up, up, down)
+
+
+def test_the_planner_predicts_the_kernel_shaped_run(runs):
+    """geompi plan on a real link (issue 39): the shaped HFA run's time per step, predicted from
+    the unshaped run of the same job alone (its compute per step and what a datacenter round
+    adds, bench/plan_check.py's calibration), the model's size and the tbf rate, within 15% of
+    the measured one over whole cycles (bench/plan_check.py --kernel holds 12 settings to
+    10%). Here the link is most of a step: a global round's model each way at 20 Mbit/s."""
+    import sys as _sys
+
+    _sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    import plan_check
+
+    from geompi.comm.linkmodel import LinkModel
+    from geompi.plan import Setting, model_params, predict
+    from geompi.sync import HFA
+
+    _, _, _, _, tmp_path = runs
+    algo = HFA(k1=4, k2=2)
+    c, r = plan_check.calibrate([tmp_path / "m1.jsonl"])  # the unshaped run
+    start = read_jsonl(tmp_path / "m0.jsonl")[0]  # the run's settings: the default model
+    assert start["config"]["dataset"] == "digits"
+    params = model_params(start["config"]["model"], (1, 8, 8), 10)
+    p = predict(params, c, Setting(algo, "none"), (3, 3), 1, LinkModel(SLOW / 8, 0.0), round_s=r)
+    m = plan_check.window(tmp_path / "m0.jsonl", plan_check.cycle_of(algo), 96)
+    assert p.step_s > 2 * c  # the link, not the compute, sets the step
+    assert abs(p.step_s / m["step_s"] - 1) < 0.15, (p.step_s, m["step_s"], c, r)
 
 
 def test_stale_names_removed_at_start():
