@@ -9,13 +9,16 @@ alternating between rounds (old first, then new first, ...). Compared, per round
 
 - training (``throughput.py --reps 1``): geompi FSA's and HFA's samples/s over the same job's
   plain-MPI training of the same exchanges (``mpi_fsa``, ``mpi_hfa``: the floor, measured beside
-  it, so a load swing between the commits' jobs moves both), and the CPU seconds geompi's ranks
-  used for the timed steps, workers and servers summed;
+  it, so a load swing between the commits' jobs moves both; higher is better), and the CPU
+  seconds geompi's ranks used for a whole job of the timed steps, start-up included, workers
+  and servers summed, and the servers' alone (throughput.py's ``cpu_s_median``, which both
+  commits record), beside the plain-MPI HFA training's (the same for both commits: a check of
+  the machine's speed between their jobs);
 - one round (``sync_overhead.py --runs 1``): a round's time over ``MPI.Allreduce``'s of the same
   bytes in the same job, and geompi's CPU seconds per round summed over the ranks.
 
 Reported: each figure's median and range over the rounds for each commit, and ``new / old`` of
-the medians (below 1: the new commit is faster, or uses less CPU). On a machine with fewer
+the medians. On a machine with fewer
 cores than ranks the CPU seconds compare where wall times do not. Writes
 bench/results/compare_commits.json.
 """
@@ -78,7 +81,10 @@ def figures(tp: dict, so: dict) -> dict[str, float]:
         "fsa_over_mpi_floor": sps["geompi_fsa"] / sps["mpi_fsa"],
         "hfa_over_mpi_floor": sps["geompi_hfa"] / sps["mpi_hfa"],
         "fsa_cpu_s": cpu["geompi_fsa"]["workers"] + cpu["geompi_fsa"]["servers"],
+        "fsa_cpu_s_servers": cpu["geompi_fsa"]["servers"],
         "hfa_cpu_s": cpu["geompi_hfa"]["workers"] + cpu["geompi_hfa"]["servers"],
+        "hfa_cpu_s_servers": cpu["geompi_hfa"]["servers"],
+        "mpi_hfa_cpu_s": cpu["mpi_hfa"]["workers"] + cpu["mpi_hfa"]["servers"],
     }
     for size in SIZES:
         out[f"round_{size}_over_allreduce"] = so["ratio"][size]["vs_mpi_allreduce"]

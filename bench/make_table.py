@@ -752,8 +752,11 @@ def render_compare_commits(d: dict) -> list[str]:
         "",
         f"old {str(commits.get('old', ''))[:10]}, new {str(commits.get('new', ''))[:10]}; "
         f"{d.get('rounds')} rounds alternating, {d.get('ranks')} ranks on {d.get('cpus')} CPUs. "
-        "`*_over_*`: geompi against the floor measured in the same job (lower is better); "
-        "`*_cpu_s`: CPU seconds summed over the ranks (the timed steps, or one round).",
+        "`*_over_mpi_floor`: geompi's samples/s over the same training with plain MPI.Allreduce "
+        "exchanges in the same job (higher is better); `round_*_over_allreduce`: a round's time "
+        "over MPI.Allreduce's of the same bytes (lower is better); `fsa_cpu_s`, `hfa_cpu_s`: CPU "
+        "seconds summed over the ranks for a whole job of the timed steps, start-up included "
+        "(throughput.py's cpu_s_median); `round_*_cpu_s`: per round, summed over the ranks.",
     ]
     return out
 
