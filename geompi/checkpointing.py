@@ -388,11 +388,14 @@ class Checkpointing:
             w.loader.load_state_dict({"epoch": int(epoch), "position": int(position)})
         except CheckpointError as e:
             err = CheckpointError(f"checkpoint {info['path']}: worker {w.widx}'s {e}")
+        if err is None and mine["local"] and w.local_opt is not None:
+            try:  # its own optimizer state (a file that does not fit: every worker stops)
+                self._load_local(mine["local"])
+            except CheckpointError as e:
+                err = e
         fail_together(w.engine.s, err)
         if mine["rng"] is not None:
             torch.set_rng_state(mine["rng"])
-        if mine["local"] and w.local_opt is not None:
-            self._load_local(mine["local"])
         w.engine.load_state(info["strategy"])
         w.step = info["step"]
         if same and info["steps"] is not None:  # MixedSync: each datacenter its own step
@@ -419,7 +422,9 @@ class Checkpointing:
         return info
 
     def _load_local(self, local: dict) -> None:
-        state.load_own_state(self.w.local_opt, self.w.model, local, self.resumed_from)
+        """This worker's own optimizer state (HFA's), as geompi.load restores it."""
+        path = self.resumed_from or "the checkpoint"  # the master's file, by name
+        state.load_own_state(self.w.local_opt, self.w.model, local, path)
 
     def server_states(self) -> list[dict] | None:
         """Per global server: its slice of every key's optimizer and outer state."""
