@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -198,8 +198,9 @@ def put_section(algorithm: dict, section: str | None, value: dict) -> None:
             "worker_state_section to checkpoint it in: give its class one (geompi.sync.Algorithm)"
         )
     *groups, last = section.split("/")
-    for part in groups:
-        algorithm = algorithm.setdefault(part, {})
+    for part in groups:  # copied on the way: the groups may be the servers' snapshot's own
+        algorithm[part] = dict(algorithm.get(part, {}))
+        algorithm = algorithm[part]
     algorithm[last] = value
 
 
@@ -384,10 +385,7 @@ def held_in_file(ck: ckpt.Checkpoint, engine, names: list[str] | None = None) ->
     hfa = ck.algorithm.get("hfa", {})
     outer = [n for n in OUTER_STATE.values() if hfa.get(n)]
     if outer and not engine.holds_server_state:
-        raise ConfigError(
-            f"{ck.path}: holds an outer optimizer's state, but this HFA's keeps none: build it "
-            "with the same outer_optimizer"
-        )
+        _refuse_outer(f"{ck.path}: the file")
     if names is not None:
         for state_name in outer:
             _indexed({state_name: hfa[state_name]}, names, ck.path)  # refuses an unknown name
@@ -400,6 +398,15 @@ def held_in_file(ck: ckpt.Checkpoint, engine, names: list[str] | None = None) ->
         "algorithm": algorithm,
         "model": ck.model,
     }
+
+
+def _refuse_outer(what: str) -> NoReturn:
+    """An outer optimizer's state for an HFA whose servers keep none (``what`` holds it): from
+    a file (``held_in_file``) or a state dict (``split_held``) alike."""
+    raise ConfigError(
+        f"{what} holds an outer optimizer's state, but this HFA's keeps none: build it with the "
+        "same outer_optimizer"
+    )
 
 
 def load_own_state(optimizer, model: torch.nn.Module, named: dict, path) -> None:
@@ -463,10 +470,7 @@ def split_held(engine, sd: dict) -> tuple[dict | None, dict]:
     updates = sd.pop(UPDATES_KEY, None)
     if not engine.holds_server_state:
         if outer:
-            raise ConfigError(
-                "the optimizer state holds an outer optimizer's state, but this HFA's keeps "
-                "none: build it with the same outer_optimizer"
-            )
+            _refuse_outer("the optimizer state")
         return None, sd
     names = engine.param_names()
     held: dict = {"optimizer": {}, "algorithm": {}, "model": {}}
