@@ -74,7 +74,7 @@ def run(tree: pathlib.Path, ranks: int, script: str, args: list[str], out: pathl
     return json.loads(out.read_text())
 
 
-def figures(tp: dict, so: dict) -> dict[str, float]:
+def figures(tp: dict, so: dict | None) -> dict[str, float]:
     """The compared figures of one round of one commit."""
     sps, cpu = tp["samples_per_s"], tp["cpu_s_median"]
     out = {
@@ -86,7 +86,7 @@ def figures(tp: dict, so: dict) -> dict[str, float]:
         "hfa_cpu_s_servers": cpu["geompi_hfa"]["servers"],
         "mpi_hfa_cpu_s": cpu["mpi_hfa"]["workers"] + cpu["mpi_hfa"]["servers"],
     }
-    for size in SIZES:
+    for size in SIZES if so else ():
         out[f"round_{size}_over_allreduce"] = so["ratio"][size]["vs_mpi_allreduce"]
         out[f"round_{size}_cpu_s"] = so["cpu_s_per_round"]["geompi"][size]
     return out
@@ -100,6 +100,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ranks", type=int, default=16)
     p.add_argument("--steps", type=int, default=160, help="throughput.py's timed steps")
     p.add_argument("--timeout", type=float, default=900, help="seconds per benchmark job")
+    p.add_argument(
+        "--bench-from",
+        metavar="COMMIT",
+        help="run this commit's bench/throughput.py on both sides (the harness fixed, only the "
+        "package differs; sync_overhead.py stays each side's own: the client's API changed)",
+    )
+    p.add_argument(
+        "--training-only", action="store_true", help="throughput.py alone, no sync_overhead.py"
+    )
     p.add_argument("--out", default=str(ROOT / "bench/results/compare_commits.json"))
     args = p.parse_args(argv)
     commits = {"old": git("rev-parse", args.old), "new": git("rev-parse", args.new)}
@@ -109,6 +118,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="compare_commits.") as tmp:
         base = pathlib.Path(tmp)
         trees = {k: worktree(c, base / k) for k, c in commits.items()}
+        if args.bench_from:
+            script = git("show", f"{git('rev-parse', args.bench_from)}:bench/throughput.py")
+            for tree in trees.values():
+                (tree / "bench" / "throughput.py").write_text(script + "\n")
         try:
             for r in range(args.rounds):
                 order = ["old", "new"] if r % 2 == 0 else ["new", "old"]
@@ -121,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
                         base / f"tp_{side}_{r}.json",
                         args.timeout,
                     )
-                    so = run(
+                    so = None if args.training_only else run(
                         trees[side],
                         args.ranks,
                         "sync_overhead.py",
@@ -152,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         + " ".join(argv if argv is not None else sys.argv[1:]),
         "finished": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "commits": commits,
+        "bench_from": args.bench_from and git("rev-parse", args.bench_from),
         "rounds": args.rounds,
         "ranks": args.ranks,
         "cpus": os.cpu_count(),
