@@ -16,6 +16,7 @@ import math
 import os
 import time
 from collections import deque
+from collections.abc import Iterator
 from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
@@ -29,9 +30,13 @@ if TYPE_CHECKING:  # pragma: no cover
 
 SCHEMA = "geompi.metrics/1"
 LOG = get_logger("geompi.metrics")
-# Records started and not yet complete on a worker before it waits for the oldest: how far
-# (in records) a fast MixedSync datacenter may run ahead of a slow one while metrics are on.
+# Batches of records started and not yet complete on a worker before it waits for the
+# oldest: how far a fast MixedSync datacenter may run ahead of a slow one while metrics are on.
 MAX_PENDING = 1024
+# Step records are averaged in batches covering this many steps by default (every=1: 8
+# records per allreduce): a collective at every step costs a step of fast local training
+# (HFA's) several per cent on a loaded node, and records only need to arrive in order.
+BATCH_STEPS = 8
 
 # Every field of every kind of record: name -> (always present, meaning). docs/metrics.md
 # has the same table (tests/test_metrics_schema.py compares them, and emitted records).
@@ -288,35 +293,71 @@ def progress_line(
     return " ".join(parts)
 
 
-class _Pending:
-    """A step record whose mean is under way: its allreduce and buffers."""
+class _Batch:
+    """Step records averaged together: one nonblocking allreduce of all their values, started
+    once the batch is full (or at a flush), so that the workers meet once per batch rather
+    than at every record. Open (``req`` None) while records are still added to it."""
 
-    __slots__ = ("step", "lr", "send", "recv", "req")
+    __slots__ = ("comm", "steps", "lrs", "rows", "after", "send", "recv", "req")
 
-    def __init__(self, step: int, lr: float | None, send: np.ndarray, comm) -> None:
+    def __init__(self, comm) -> None:
+        self.comm = comm
+        # rank 0's own records made while the batch is open, each after the step record it
+        # followed: (that record's position in the batch, the record)
+        self.after: list[tuple[int, dict]] = []
+        self.steps: list[int] = []
+        self.lrs: list[float | None] = []
+        self.rows: list[list[float]] = []
+        self.send: np.ndarray | None = None
+        self.recv: np.ndarray | None = None
+        self.req: Any = None
+
+    def add(self, step: int, lr: float | None, values: list[float]) -> None:
+        self.steps.append(step)
+        self.lrs.append(lr)
+        self.rows.append(values)
+
+    def start(self) -> None:
         from mpi4py import MPI
 
-        self.step, self.lr, self.send = step, lr, send
-        self.recv = np.zeros_like(send)
-        self.req = comm.Iallreduce(send, self.recv, MPI.SUM)
+        self.send = np.array(self.rows, dtype=np.float64)
+        self.recv = np.zeros_like(self.send)
+        self.req = self.comm.Iallreduce(self.send, self.recv, MPI.SUM)
 
-    def record(self) -> dict:
-        loss, lan, wan, compute, wait, wall, n = self.recv.tolist()
-        n = max(1.0, n)
-        wall, compute, wait = wall / n, compute / n, wait / n
-        return {
-            "kind": "step",
-            "step": self.step,
-            "loss": loss / n,
-            "lr": self.lr,
-            "workers": int(n),
-            "lan_bytes": int(lan),
-            "wan_bytes": int(wan),
-            "wall_s": wall,
-            "compute_s": compute,
-            "wait_s": wait,
-            "other_s": max(0.0, wall - compute - wait),
-        }
+    def records(self) -> Iterator[tuple[bool, dict]]:
+        """(a step record?, the record), in the order they were made."""
+        assert self.recv is not None  # started, and complete
+        after = iter(self.after)
+        nxt = next(after, None)
+        for i, (step, lr, row) in enumerate(zip(self.steps, self.lrs, self.recv.tolist())):
+            yield True, _step_record(step, lr, row)
+            while nxt is not None and nxt[0] == i:
+                yield False, nxt[1]
+                nxt = next(after, None)
+
+
+def _step_record(step: int, lr: float | None, summed: list[float]) -> dict:
+    """A step record from its values summed over the workers (the last one counts them)."""
+    loss, lan, wan, compute, wait, wall, n = summed
+    n = max(1.0, n)
+    wall, compute, wait = wall / n, compute / n, wait / n
+    record = {
+        "kind": "step",
+        "step": step,
+        "loss": loss / n,
+        "lr": lr,
+        "workers": int(n),
+        "lan_bytes": None if lan != lan else int(lan),  # NaN: not counted (see _start)
+        "wan_bytes": None if wan != wan else int(wan),
+        "wall_s": wall,
+        "compute_s": compute,
+        "wait_s": wait,
+        "other_s": max(0.0, wall - compute - wait),
+    }
+    if compute != compute:  # NaN: no optimizer known
+        for k in ("lan_bytes", "wan_bytes", "compute_s", "wait_s", "other_s"):
+            record[k] = None
+    return record
 
 
 class Metrics:
@@ -327,9 +368,10 @@ class Metrics:
     call :meth:`step` after each ``optimizer.step()``, with the same step numbers on every
     worker; servers need nothing. Every ``every`` steps a record of kind ``step`` carries the
     loss averaged over every worker, the learning rate, the cumulative LAN and WAN bytes and
-    the time split (docs/metrics.md lists every field). The average is a nonblocking
-    allreduce among the workers, completed when it is done, so the record of a step may be
-    written a step or more later and training never waits for it. Rank 0 writes::
+    the time split (docs/metrics.md lists every field). The averages are nonblocking
+    allreduces among the workers, one per ``batch`` records, completed when they are done, so
+    the record of a step is written some steps later (in step order) and training never
+    waits for it. Rank 0 writes::
 
         metrics = geompi.Metrics("m.jsonl", optimizer=opt, every=10, total_steps=1000,
                                  tensorboard="tb/", progress_steps=100)
@@ -344,6 +386,8 @@ class Metrics:
             records have no learning rate, bytes or time split (null).
         tensorboard: a directory for TensorBoard scalars as well (needs ``tensorboard``).
         every: steps between records (a step record when ``step % every == 0``).
+        batch: step records averaged in one allreduce (default: those of 8 steps, at least
+            one); the records of a batch are written once the last of them is averaged.
         total_steps: the steps the loop will take, for the ETA of the progress lines.
         progress_steps: rank 0 prints a progress line every this many steps (None: never).
         progress_s: or every this many seconds (None: never).
@@ -360,12 +404,14 @@ class Metrics:
         optimizer: GeompiOptimizer | None = None,
         tensorboard: str | os.PathLike | None = None,
         every: int = 1,
+        batch: int | None = None,
         total_steps: int | None = None,
         progress_steps: int | None = None,
         progress_s: float | None = None,
         start: dict | None = None,
         _agree: bool = True,
         _engine: Any = None,
+        _wan_stats: bool = True,
     ) -> None:
         self._engine = _engine if _engine is not None else _engine_of(optimizer)
         session = self._engine.s if self._engine is not None else _session()
@@ -373,7 +419,11 @@ class Metrics:
         self.master = session.rank == 0
         self.every, self.total_steps = every, total_steps
         self.progress_steps, self.progress_s = progress_steps, progress_s
-        err = _check(every, total_steps, progress_steps, progress_s)
+        err = _check(every, total_steps, progress_steps, progress_s, batch)
+        self.batch = batch or (max(1, BATCH_STEPS // every) if err is None else 1)
+        # the local servers' WAN counters with each round (the CLI without a metrics file
+        # or TensorBoard does without: no record is written, so no byte count is needed)
+        self._wan_stats = _wan_stats
         self._log: MetricsLog | None = None
         if err is None and self.master:
             try:
@@ -392,7 +442,8 @@ class Metrics:
             fail_together(session, err if self.master else None)
         self._base = None  # the workers' communicator the averages run over (duplicated)
         self._comm: Any = None
-        self._queue: deque = deque()  # _Pending, or records waiting behind one
+        self._queue: deque = deque()  # _Batch, or rank 0's records waiting behind one
+        self._open: _Batch | None = None  # the batch that records are added to
         self.last: dict | None = None  # the last step record completed (on every worker)
         self._t0 = self._last_line = time.perf_counter()
         self._first: tuple[int, float] | None = None  # the first step seen, and when
@@ -455,7 +506,11 @@ class Metrics:
             LOG.info(self._line(step, now, note))
 
     def flush(self) -> None:
-        """Every worker: wait until every record started is complete (and written)."""
+        """Every worker: average the records of the batch under way now, and wait until every
+        record is complete (and written)."""
+        if self._open is not None:
+            self._open.start()
+            self._open = None
         self._drain(block=True)
 
     def close(self, **summary: Any) -> None:
@@ -496,7 +551,11 @@ class Metrics:
         if self.master:
             if kind == "eval" and "wall_s" not in fields:
                 fields["wall_s"] = time.perf_counter() - self._t0
-            self._queue.append({"kind": kind, **fields})
+            record = {"kind": kind, **fields}
+            if self._open is not None:  # after the step records made so far
+                self._open.after.append((len(self._open.rows) - 1, record))
+            else:
+                self._queue.append(record)
             self._drain(block=False)
 
     def attach(self, optimizer: GeompiOptimizer) -> None:
@@ -511,7 +570,7 @@ class Metrics:
         """Ask the engine's rounds for the WAN counters, and rebuild the communicator where
         every survivor of a lost rank rebuilds its own (on_failure="continue")."""
         if self._engine is not None:
-            self._engine.want_stats = True
+            self._engine.want_stats = self._wan_stats
             self._engine.on_rejoin.append(self._rejoin)
 
     def _rejoin(self) -> None:
@@ -540,18 +599,28 @@ class Metrics:
         vals = [loss, math.nan, math.nan, math.nan, math.nan, time.perf_counter() - self._t0]
         if e is not None:
             st = e.stats
-            wan = float(e.server_counts.sum()) if e.dc_first else 0.0
+            if not self._wan_stats:  # not asked of the local servers: no count (null)
+                wan = math.nan
+            else:
+                wan = float(e.server_counts.sum()) if e.dc_first else 0.0
             vals = [loss, st.sent[LAN] + st.received[LAN], wan, e.compute_s, st.wait_s[LAN]]
             vals.append(time.perf_counter() - e.t_start)
-        send = np.array([*vals, 1.0], dtype=np.float64)
-        self._queue.append(_Pending(step, lr, send, self._comm))
+        if self._open is None:
+            self._open = _Batch(self._comm)
+            self._queue.append(self._open)
+        self._open.add(step, lr, [*vals, 1.0])
+        if len(self._open.rows) >= self.batch:  # at the same record on every worker
+            self._open.start()
+            self._open = None
 
     def _drain(self, block: bool) -> None:
         """Write what is complete, in order; with ``block``, wait for all of it."""
         timeout = self._session.cfg.comm_timeout
         while self._queue:
             head = self._queue[0]
-            if isinstance(head, _Pending):
+            if isinstance(head, _Batch):
+                if head.req is None:  # still open: started at the same record everywhere
+                    return
                 try:
                     if block:
                         wait_for([head.req], timeout, "the other workers' metrics")
@@ -564,18 +633,25 @@ class Metrics:
                         raise
                     self._drop_pending()
                     return
-                record = head.record()
-                self.last = record
-                if record["compute_s"] != record["compute_s"]:  # NaN: no optimizer known
-                    for k in ("lan_bytes", "wan_bytes", "compute_s", "wait_s", "other_s"):
-                        record[k] = None
-                head = record
+                self._queue.popleft()
+                for is_step, record in head.records():
+                    if is_step:
+                        self.last = record
+                    self._emit(record)
+                continue
             self._queue.popleft()
             self._emit(head)
 
     def _drop_pending(self) -> None:
-        kept = deque(r for r in self._queue if not isinstance(r, _Pending))
-        if len(kept) != len(self._queue):
+        """The step records under way are dropped (rank 0's own records among them stay)."""
+        self._open = None
+        kept: deque = deque()
+        for r in self._queue:
+            if isinstance(r, _Batch):
+                kept.extend(rec for _, rec in r.after)
+            else:
+                kept.append(r)
+        if any(isinstance(r, _Batch) for r in self._queue):
             LOG.debug("geompi: metrics: step records cut off by a lost rank are dropped")
         self._queue = kept
 
@@ -629,7 +705,7 @@ def _session() -> Any:
 
 
 def _check(
-    every: Any, total_steps: Any, progress_steps: Any, progress_s: Any
+    every: Any, total_steps: Any, progress_steps: Any, progress_s: Any, batch: Any = None
 ) -> GeompiError | None:
     """The one-line error for a bad argument of Metrics (the same on every worker), or None."""
 
@@ -638,7 +714,8 @@ def _check(
 
     if not count(every):
         return ConfigError(f"geompi.Metrics(every={every!r}): give a whole number >= 1")
-    for name, v in (("total_steps", total_steps), ("progress_steps", progress_steps)):
+    named = (("total_steps", total_steps), ("progress_steps", progress_steps), ("batch", batch))
+    for name, v in named:
         if v is not None and not count(v):
             return ConfigError(f"geompi.Metrics({name}={v!r}): give a whole number >= 1 or None")
     ok = isinstance(progress_s, (int, float)) and not isinstance(progress_s, bool)

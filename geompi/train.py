@@ -485,6 +485,9 @@ def _run(cfg: RunConfig, s) -> dict | None:
                 progress_s=cfg.progress_every,
                 start={"config": json.loads(cfg.to_json())},
                 _agree=False,  # a bad --metrics is agreed on with the servers, below
+                # no file, no TensorBoard: the records feed progress lines (the loss) alone,
+                # and the rounds need not bring the local servers' WAN counters
+                _wan_stats=bool(cfg.metrics or cfg.tensorboard),
             )
     except Exception as e:  # noqa: BLE001 - reported collectively below
         err = e

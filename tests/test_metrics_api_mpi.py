@@ -36,6 +36,7 @@ def _losses(out, tag: str) -> dict[int, float]:
     """The mean over the workers of the loss each one computed at each step (independent of
     geompi.Metrics: plain Python over the workers' own files)."""
     per = [json.loads((out / f"loss-{tag}-w{w}.json").read_text()) for w in range(WORKERS)]
+    assert {p.pop("allreduces") for p in per} == {3 if tag == "fsa" else 1}  # batches of records
     return {s: sum(float(p[str(s)]) for p in per) / WORKERS for s in range(1, STEPS + 1)}
 
 
