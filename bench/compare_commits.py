@@ -2,6 +2,12 @@
 each, run alternately on this machine, each against the floors it measures in its own job.
 
     python bench/compare_commits.py OLD [NEW] [--rounds 3] [--ranks 16] [--out FILE]
+        [--bench-from COMMIT] [--training-only]
+
+``--bench-from COMMIT`` runs that commit's ``throughput.py`` on both sides, so that only the
+package differs (each commit's own harness otherwise: a change to the harness then shows as a
+change of the package); ``--training-only`` leaves out ``sync_overhead.py`` (whose client API
+changed with the round handle, so an old one does not run on a new package).
 
 Each commit is checked out in a temporary worktree (``git worktree add --detach``) that uses
 this checkout's Python environment; a round runs both benchmarks of both commits, the order
@@ -134,13 +140,22 @@ def main(argv: list[str] | None = None) -> int:
                         base / f"tp_{side}_{r}.json",
                         args.timeout,
                     )
-                    so = None if args.training_only else run(
-                        trees[side],
-                        args.ranks,
-                        "sync_overhead.py",
-                        ["--runs", "1", "--sizes", ",".join(s.removesuffix("MB") for s in SIZES)],
-                        base / f"so_{side}_{r}.json",
-                        args.timeout,
+                    so = (
+                        None
+                        if args.training_only
+                        else run(
+                            trees[side],
+                            args.ranks,
+                            "sync_overhead.py",
+                            [
+                                "--runs",
+                                "1",
+                                "--sizes",
+                                ",".join(s.removesuffix("MB") for s in SIZES),
+                            ],
+                            base / f"so_{side}_{r}.json",
+                            args.timeout,
+                        )
                     )
                     per[side].append(figures(tp, so))
                     print(f"compare_commits: round {r} {side}: {per[side][-1]}", flush=True)

@@ -796,6 +796,8 @@ RENDERERS = {
     "plan_check": render_plan_check,
     "plan_check_kernel": render_plan_check,
     "compare_commits": render_compare_commits,
+    "compare_commits_harness": render_compare_commits,
+    "compare_commits_metrics": render_compare_commits,
 }
 TITLES = {
     "adaptive_wan": "HFA's adaptive cadence on two emulated WAN links (1 Gbit/s, 100 Mbit/s)",
@@ -824,6 +826,10 @@ TITLES = {
     "(bench/plan_check.py --kernel)",
     "compare_commits": "Before and after the one-path redesign (issue 36): throughput and rounds "
     "of two commits (bench/compare_commits.py)",
+    "compare_commits_harness": "The same with one harness for both commits: the old commit's "
+    "throughput.py on both sides (bench/compare_commits.py --bench-from OLD --training-only)",
+    "compare_commits_metrics": "The step records batched (e40bfd2) against its parent, one "
+    "harness (bench/compare_commits.py ecc28a4 e40bfd2 --bench-from 88d6e4a --training-only)",
     "real_wan_20mbit": "The same on a link-bound setting: FSA and HFA at 20 Mbit/s, 60 steps "
     "(bench/real_wan.py --methods fsa,hfa --rates 20mbit --steps 60)",
     "real_wan_mixed": "MixedSync across network namespaces too (bench/real_wan.py --methods mixed)",
