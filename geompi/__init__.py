@@ -37,6 +37,7 @@ __all__ = [
     "finish",
     "init",
     "is_master",
+    "latest",
     "load",
     "num_dcs",
     "num_workers",
@@ -54,6 +55,7 @@ _LAZY = {
     "DistributedSampler": "geompi.sampler",
     "Metrics": "geompi.metrics",
     "save": "geompi.state",
+    "latest": "geompi.state",
     "all_reduce": "geompi.collectives",
     "broadcast_object": "geompi.collectives",
     "local_worker_rank": "geompi.collectives",
@@ -72,7 +74,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from geompi.metrics import Metrics
     from geompi.optimizer import DistributedOptimizer
     from geompi.sampler import DistributedSampler
-    from geompi.state import load, save
+    from geompi.state import latest, load, save
     from geompi.sync import FSA, HFA, MixedSync
 
 
@@ -80,6 +82,7 @@ if TYPE_CHECKING:  # pragma: no cover
 _COLLECTIVE = {
     "save": "geompi.save",
     "load": "geompi.load",
+    "latest": "geompi.latest",
     "all_reduce": "geompi.all_reduce",
     "broadcast_object": "geompi.broadcast_object",
     "stop_requested": "geompi.stop_requested",

@@ -29,7 +29,7 @@ from geompi import ckpt, state
 from geompi.comm import faults
 from geompi.comm.compression import make_compressor
 from geompi.comm.transport import barrier_before_collective
-from geompi.errors import CheckpointError, CheckpointMismatchError, CheckpointWriteError
+from geompi.errors import CheckpointError, CheckpointWriteError
 from geompi.held_state import HeldState
 from geompi.resume_checks import check_resumable, expected_state_names
 from geompi.runtime import say
@@ -138,40 +138,20 @@ class Checkpointing:
             if path is not None:
                 self.load(path)
             return path
-        skipped: list[tuple[pathlib.Path, CheckpointError]] = []
-        for path in ckpt.by_write_order(directory):
-            try:  # only an unreadable file is skipped; a mismatch with this run is not
-                ck = self.read(path)
-            except CheckpointMismatchError:
-                raise
-            except CheckpointError as e:
-                skipped.append((path, e))
-                continue
-            self.load(path, ck)
-            if skipped:
-                first, err = skipped[0]
-                say(
-                    f"geompi: --resume latest: skipped {len(skipped)} unusable checkpoint(s), "
-                    f"newest {first.name} ({err}); resuming from {path.name} instead"
-                )
-            return path
+        found = ckpt.newest_readable(directory, self.read)  # as geompi.latest
+        if found is None:
+            return None
+        path, ck, skipped = found
+        self.load(path, ck)
         if skipped:
-            raise skipped[0][1]
-        return None
+            say(ckpt.skipped_note("--resume latest", skipped, path))
+        return path
 
     def lineage(self, just_written: pathlib.Path) -> list[pathlib.Path]:
         """What this run's checkpoints descend from, newest first: its own files, the file it
         resumed from, then the files of lower step than that one."""
         self.written = [just_written] + [p for p in self.written if p != just_written]
-        out = list(self.written)
-        base = self.resumed_from
-        if base is not None:
-            out.append(base)
-            older = [
-                p for p in ckpt.list_checkpoints(base.parent) if p.name < base.name and p not in out
-            ]
-            out += reversed(older)
-        return out
+        return ckpt.lineage(self.written, self.resumed_from)
 
     def record_starts(self) -> None:
         """Collective over all workers (MixedSync with checkpoints): where each worker starts,

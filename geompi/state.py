@@ -30,6 +30,10 @@ OUTER_KEY = "geompi_outer_momentum"  # in state_dict(): HFA's outer momentum, by
 OUTER_KEYS = {f"geompi_{n}": n for n in OUTER_STATE.values()}
 UPDATES_KEY = "geompi_global_updates"  # in state_dict(): the global servers' update count
 _USER = "user_state"  # /progress/user_state/worker<i>: geompi.save(state=...)
+# This process's line of checkpoints (the master's matter: it writes and prunes), for
+# geompi.save(keep=) as the command line's --keep: the files written since the last
+# geompi.load (newest first), and the file that load read.
+_lineage: dict[str, Any] = {"written": [], "resumed_from": None}
 
 
 def save(
@@ -41,10 +45,19 @@ def save(
     epoch: int = 0,
     metrics: dict | None = None,
     state: dict[str, Any] | None = None,
+    keep: int | None = None,
 ) -> pathlib.Path | None:
     """Write ``model`` (and ``optimizer``) to ``path``. Every worker calls it; the master writes
     and the others wait until the file is complete. Atomic: a crash never leaves a half-written
     file under ``path``. Returns the path on the master, None elsewhere.
+
+    ``path`` a directory (one that exists, or any with ``keep``): the file is
+    ``ckpt-<step>.h5`` in it, as the command line names its checkpoints, and ``keep=N`` then
+    deletes all but N there, as ``--keep`` does: first kept are this process's files since its
+    last ``geompi.load`` (the file just written first, never deleted), the file that load read
+    and the ones of lower step beside it, then the others by the order they were written (so a
+    run resumed from an older checkpoint keeps its own past, not the abandoned files written
+    after it). :func:`latest` finds the newest to resume from.
 
     With a ``DistributedOptimizer`` the file holds everything an exact resume needs: the state
     the global servers hold (their optimizer's, HFA's outer momentum), and under HFA every
@@ -62,6 +75,7 @@ def save(
     mine = None
     try:  # the same on every worker: decided before any collective call
         _check_carried(optimizer, engine, "save")
+        _check_keep(keep, step)
         mine = _encode_state(state)
     except GeompiError as e:
         err = e
@@ -82,9 +96,21 @@ def save(
     written, err = None, None
     if s is None or s.rank == 0:
         try:
+            target = pathlib.Path(path)
+            if keep is not None or target.is_dir():
+                target = target / ckpt.checkpoint_name(step)
             written = _write(
-                path, model, optimizer, held, everyone, engine, step, epoch, metrics, s
+                target, model, optimizer, held, everyone, engine, step, epoch, metrics, s
             )
+            _lineage["written"] = [written] + [p for p in _lineage["written"] if p != written]
+            if keep is not None:
+                ours = ckpt.lineage(_lineage["written"], _lineage["resumed_from"])
+                try:
+                    ckpt.prune(target.parent, keep, lineage=ours)
+                except OSError as e:  # written: training goes on, the old files stay
+                    from geompi.runtime import say
+
+                    say(f"geompi: warning: geompi.save(keep={keep}): old checkpoints stay: {e}")
         except GeompiError as e:
             err = e
     if s is None:
@@ -93,6 +119,56 @@ def save(
         return written
     session.fail_together(s, err)
     return written
+
+
+def _check_keep(keep: Any, step: Any) -> None:
+    """``geompi.save``'s ``keep`` and the step it names a file by (the same on every worker)."""
+    count = isinstance(keep, int) and not isinstance(keep, bool)
+    if keep is not None and not (count and keep >= 1):
+        raise ConfigError(f"geompi.save(keep={keep!r}): give a whole number >= 1 or None")
+    if keep is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+        raise ConfigError(
+            f"geompi.save(keep=...) names the file by its step: give step= a whole number "
+            f">= 0, not {step!r}"
+        )
+
+
+def latest(directory: str | os.PathLike) -> pathlib.Path | None:
+    """The checkpoint in ``directory`` written last that reads whole (every checksum checked),
+    to resume from: as ``--resume latest``, a torn or corrupt file is skipped for the one
+    written before it (one line says which), and the order is the one the files recorded as
+    they were written, never file times. None where the directory holds no checkpoint (a
+    first run); where none reads, its error is one line and every rank stops.
+
+    Every worker calls it (the master reads, every worker gets its answer)::
+
+        path = geompi.latest("ck/")
+        start = geompi.load(path, model=model, optimizer=opt)["step"] if path else 0
+        for step in range(start + 1, steps + 1):
+            ...
+            if step % 100 == 0:
+                geompi.save("ck/", model=model, optimizer=opt, step=step, keep=3)
+    """
+    from geompi import session
+
+    s = session.current() if session._session is not None else None
+    found, err = None, None
+    if s is None or s.rank == 0:
+        try:
+            found = ckpt.newest_readable(directory, ckpt.load)
+        except GeompiError as e:
+            err = e
+        if found is not None and found[2]:
+            from geompi.runtime import say
+
+            say(ckpt.skipped_note("geompi.latest", found[2], found[0]))
+    if s is None:
+        if err is not None:
+            raise err
+        return found[0] if found is not None else None
+    session.fail_together(s, err)
+    name = s.worker_comm.bcast(str(found[0]) if found is not None else None, root=0)
+    return pathlib.Path(name) if name is not None else None
 
 
 def _engine(optimizer, s):
@@ -306,6 +382,7 @@ def load(
         _check_carried(optimizer, engine, "load")
         ck = ckpt.load(path)
         held = _restore(ck, model, optimizer, engine, s)
+        _lineage.update(written=[], resumed_from=pathlib.Path(path))  # what saves descend from
         info = {"step": ck.step, "epoch": ck.epoch, "metrics": ck.attrs.get("metrics", {})}
         info["state"] = _restore_state(ck, state, s)
     except GeompiError as e:

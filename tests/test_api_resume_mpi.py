@@ -19,6 +19,7 @@ def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("api_resume")
     res = mpirun(7, ["-m", "mpi4py", prog("api_resume.py"), str(out), "resume"], 300, check=False)
     assert (out / "done-resume-w0.json").exists(), res.stderr[-3000:]
+    (out / "stderr.txt").write_text(res.stderr)
     return out
 
 
@@ -54,7 +55,22 @@ def test_each_worker_gets_its_own_saved_state_back(run, name):
     """geompi.save(state=...) keeps every worker's own values (RNG states differ per worker)."""
     for w in range(WORKERS):
         got = json.loads((run / f"{name}-state-w{w}.json").read_text())
-        assert got == {"who": w, "rng": True}, (w, got)
+        assert {k: got[k] for k in ("who", "rng")} == {"who": w, "rng": True}, (w, got)
+
+
+def test_a_directory_of_checkpoints_keep_and_latest(run):
+    """geompi.save(directory, keep=1) named each file by its step and kept the newest;
+    geompi.latest found none before the first, then skipped a torn newer file for it (one
+    line) on every worker, and the run resumed from it equals the run in one go (above)."""
+    ck = run / "fsa-ck"
+    assert sorted(p.name for p in ck.iterdir()) == ["ckpt-00000004.h5", "ckpt-00000009.h5"]
+    for w in range(WORKERS):
+        got = json.loads((run / f"fsa-state-w{w}.json").read_text())
+        assert got["first"] is None and got["latest"] == str(ck / "ckpt-00000004.h5"), got
+    said = [line for line in (run / "stderr.txt").read_text().splitlines() if "latest" in line]
+    assert len(said) == 1 and said[0].startswith(
+        "geompi: geompi.latest: skipped 1 unusable checkpoint(s), newest ckpt-00000009.h5"
+    ), said
 
 
 def test_load_between_close_and_the_next_optimizer(run):

@@ -17,9 +17,12 @@ from geompi.ckpt.files import (
     by_write_order,
     checkpoint_name,
     latest,
+    lineage,
     list_checkpoints,
+    newest_readable,
     prune,
     remove_stale_temps,
+    skipped_note,
 )
 from geompi.ckpt.format import (
     _CHUNK_BYTES,
@@ -46,13 +49,16 @@ __all__ = [
     "export",
     "fingerprint",
     "latest",
+    "lineage",
     "list_checkpoints",
     "load",
     "load_state_dict",
     "main",
+    "newest_readable",
     "prune",
     "remove_stale_temps",
     "save",
+    "skipped_note",
     "verify",
 ]
 # Private names that tests and bench/ read (not part of the API).

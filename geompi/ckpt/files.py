@@ -8,9 +8,14 @@ import re
 import secrets
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import numpy as np
+
+from geompi.errors import CheckpointError, CheckpointMismatchError
+
+T = TypeVar("T")
 
 _CKPT_RE = re.compile(r"^ckpt-(\d+)\.h5$")
 _CREATE = (
@@ -121,6 +126,53 @@ def latest(directory: str | os.PathLike) -> pathlib.Path | None:
     """The checkpoint of `directory` written last, or None if there is none."""
     found = by_write_order(directory)
     return found[0] if found else None
+
+
+def newest_readable(
+    directory: str | os.PathLike, read: Callable[[pathlib.Path], T]
+) -> tuple[pathlib.Path, T, list[tuple[pathlib.Path, CheckpointError]]] | None:
+    """The checkpoint of `directory` written last that `read` reads: ``(path, what read
+    returned, the files skipped before it, newest first, each with its error)``; None where
+    the directory holds no checkpoint. Only an unreadable file (a torn write, a corrupt one)
+    is skipped: a file that does not fit (CheckpointMismatchError) is raised, and so is the
+    newest file's error where none can be read. ``--resume latest`` and ``geompi.latest``."""
+    skipped: list[tuple[pathlib.Path, CheckpointError]] = []
+    for path in by_write_order(directory):
+        try:
+            got = read(path)
+        except CheckpointMismatchError:
+            raise
+        except CheckpointError as e:
+            skipped.append((path, e))
+            continue
+        return path, got, skipped
+    if skipped:
+        raise skipped[0][1]
+    return None
+
+
+def skipped_note(who: str, skipped: list[tuple[pathlib.Path, CheckpointError]], path) -> str:
+    """The one line that says which files :func:`newest_readable` skipped for ``path``."""
+    first, err = skipped[0]
+    return (
+        f"geompi: {who}: skipped {len(skipped)} unusable checkpoint(s), newest {first.name} "
+        f"({err}); resuming from {pathlib.Path(path).name} instead"
+    )
+
+
+def lineage(written: Sequence[os.PathLike], resumed_from: os.PathLike | None) -> list[pathlib.Path]:
+    """What a run's checkpoints descend from, newest first: the files it wrote (``written``,
+    newest first), the file it resumed from, then the files of lower step than that one beside
+    it. :func:`prune` keeps these before any other (the command line's runs and
+    ``geompi.save(keep=)`` alike), so a run resumed from an older checkpoint keeps its own
+    past rather than the abandoned files written after it."""
+    out = [pathlib.Path(p) for p in written]
+    if resumed_from is not None:
+        base = pathlib.Path(resumed_from)
+        out.append(base)
+        older = [p for p in list_checkpoints(base.parent) if p.name < base.name and p not in out]
+        out += reversed(older)
+    return out
 
 
 def prune(

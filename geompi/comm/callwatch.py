@@ -52,6 +52,7 @@ LABELS = (
     "geompi.all_reduce",
     "geompi.broadcast_object",
     "geompi.stop_requested",
+    "geompi.latest",
 )
 
 

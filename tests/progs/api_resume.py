@@ -53,17 +53,32 @@ def in_one_go(name: str) -> None:
 
 
 def through_files(name: str) -> None:
+    """HFA: a file named by the script. FSA: a directory, as a long job keeps its checkpoints
+    (keep=1 after two saves; a torn newer file that geompi.latest skips)."""
     model, opt = build(name)
-    steps(model, opt, 0, 4)
+    directory = f"{out}/{name}-ck"
+    first = geompi.latest(directory)  # none yet: a first run
+    if name == "fsa":
+        steps(model, opt, 0, 2)
+        geompi.save(directory, model=model, optimizer=opt, step=2, keep=1)
+    steps(model, opt, 2 if name == "fsa" else 0, 4)
     own = {"who": w, "rng": torch.Generator().manual_seed(w).get_state()}  # each worker's
-    geompi.save(f"{out}/{name}.h5", model=model, optimizer=opt, step=4, state=own)
+    if name == "fsa":
+        geompi.save(directory, model=model, optimizer=opt, step=4, state=own, keep=1)
+        if w == 0:  # a newer file torn as a crash mid-write would leave it (not a temporary)
+            with open(f"{directory}/ckpt-00000009.h5", "wb") as f:
+                f.write(b"\x89HDF\r\n\x1a\n" + bytes(100))
+    else:
+        geompi.save(f"{out}/{name}.h5", model=model, optimizer=opt, step=4, state=own)
     opt.close()
     model, opt = build(name)
     state = {"who": -1}
-    info = geompi.load(f"{out}/{name}.h5", model=model, optimizer=opt, state=state)
+    path = geompi.latest(directory) if name == "fsa" else f"{out}/{name}.h5"
+    info = geompi.load(path, model=model, optimizer=opt, state=state)
     rng = info["state"]["rng"]
     with open(f"{out}/{name}-state-w{w}.json", "w") as f:  # each worker got its own back
-        json.dump({"who": state["who"], "rng": bool(torch.equal(rng, own["rng"]))}, f)
+        mine = {"who": state["who"], "rng": bool(torch.equal(rng, own["rng"]))}
+        json.dump({**mine, "first": first, "latest": str(path)}, f)
     steps(model, opt, info["step"], 8)
     opt.close()
     dump(f"{name}-resumed", model)
@@ -107,7 +122,7 @@ if mode == "resume":
     model, opt = build("fsa")
     steps(model, opt, 0, 2)
     opt.close()
-    geompi.load(f"{out}/fsa.h5", model=model)
+    geompi.load(f"{out}/fsa-ck/ckpt-00000004.h5", model=model)
     model2, opt2 = build("fsa")
     steps(model2, opt2, 0, 1)
     opt2.close()
