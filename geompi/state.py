@@ -467,8 +467,7 @@ def held_in_file(ck: ckpt.Checkpoint, engine, names: list[str] | None = None) ->
         for state_name in outer:
             _indexed({state_name: hfa[state_name]}, names, ck.path)  # refuses an unknown name
     algorithm = dict(ck.algorithm)
-    if getattr(engine.algo, "dcasgd", False):  # every datacenter restarts from /model
-        algorithm["dcasgd"] = {"backup": True}
+    engine.algo.on_restore(algorithm)  # DCASGD: every datacenter restarts from /model
     on_servers = engine.optimizer_state_on_servers
     return {
         "optimizer": ck.optimizer if on_servers else {},
@@ -557,8 +556,7 @@ def split_held(engine, sd: dict) -> tuple[dict | None, dict]:
                 t = torch.as_tensor(value)
                 held["optimizer"].setdefault(state_name, {})[names[int(i)]] = t
         sd["state"] = {}  # the workers keep none: the servers step
-        if getattr(engine.algo, "dcasgd", False):  # every datacenter restarts from the model
-            held["algorithm"]["dcasgd"] = {"backup": True}
+        if engine.algo.on_restore(held["algorithm"]):  # DCASGD: restarts from the model
             held["model"] = {n: p.detach().cpu() for n, p in engine.model.named_parameters()}
     for state_name, by_index in outer.items():
         named = {names[int(i)]: torch.as_tensor(t) for i, t in by_index.items()}

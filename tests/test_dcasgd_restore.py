@@ -14,10 +14,12 @@ from geompi import ckpt
 from geompi.checkpointing import Checkpointing
 from geompi.comm.buckets import Buckets
 from geompi.comm.topology import Topology
+from geompi.sync import MixedSync
 
-# what server_states asks of the engine: its servers step and keep the state
+# what server_states asks of the engine: its servers step and keep the state (MixedSync's
+# DCASGD, whose on_restore restarts every datacenter's backup from the model)
 _ENGINE = SimpleNamespace(
-    optimizer_state_on_servers=True, holds_server_state=True, algo=SimpleNamespace()
+    optimizer_state_on_servers=True, holds_server_state=True, algo=MixedSync(dcasgd=True)
 )
 
 

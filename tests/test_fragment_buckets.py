@@ -14,10 +14,11 @@ from geompi.checkpointing import Checkpointing
 from geompi.comm.buckets import Buckets
 from geompi.comm.topology import Topology
 from geompi.ps.fragments import fragment_plan
+from geompi.sync import FSA
 
 # what server_states asks of the engine: its servers step and keep the state
 _ENGINE = SimpleNamespace(
-    optimizer_state_on_servers=True, holds_server_state=True, algo=SimpleNamespace()
+    optimizer_state_on_servers=True, holds_server_state=True, algo=FSA(optimizer="servers")
 )
 
 

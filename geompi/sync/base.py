@@ -484,6 +484,13 @@ class Algorithm:
         raise NotImplementedError
 
     # ---- its checkpoints (geompi.checkpointing, geompi.resume_checks) ------------------------
+    def on_restore(self, algorithm: dict) -> bool:
+        """A restore (``geompi.load``, ``--resume``, ``load_state_dict``) hands the global
+        servers ``algorithm`` (the /algorithm sections, by name): add what this algorithm's
+        servers rebuild rather than read, and return whether they need the model for it.
+        Nothing by default."""
+        return False
+
     def checkpoint_copies(self, optimizer_states: int, workers: int) -> int:
         """How many model-sized tensors of optimizer state one checkpoint holds, for an upper
         estimate of its size (``optimizer_states``: the state names the optimizer keeps per

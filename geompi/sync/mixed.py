@@ -157,6 +157,14 @@ class MixedSync(Algorithm):
     def worker(self, engine: Engine) -> WorkerSide:
         return MixedWorker(engine)
 
+    def on_restore(self, algorithm: dict) -> bool:
+        """DCASGD: every datacenter's backup restarts from the restored model (a backup is
+        the model a datacenter last fetched, which a new run has not fetched)."""
+        if not self.dcasgd:
+            return False
+        algorithm["dcasgd"] = {"backup": True}
+        return True
+
     def validate(self) -> None:
         if self.max_staleness is not None and (
             not isinstance(self.max_staleness, int) or self.max_staleness < 1
