@@ -506,8 +506,9 @@ class Metrics:
             LOG.info(self._line(step, now, note))
 
     def flush(self) -> None:
-        """Every worker: average the records of the batch under way now, and wait until every
-        record is complete (and written)."""
+        """Collective over the workers, at the same step on each (as :meth:`step`): average
+        the records of the batch under way now, and wait until every record is complete (and
+        written)."""
         if self._open is not None:
             self._open.start()
             self._open = None
