@@ -341,23 +341,20 @@ def _step_record(step: int, lr: float | None, summed: list[float]) -> dict:
     loss, lan, wan, compute, wait, wall, n = summed
     n = max(1.0, n)
     wall, compute, wait = wall / n, compute / n, wait / n
-    record = {
+    known = compute == compute  # NaN: no optimizer known, no bytes or time split (null)
+    return {
         "kind": "step",
         "step": step,
         "loss": loss / n,
         "lr": lr,
         "workers": int(n),
-        "lan_bytes": None if lan != lan else int(lan),  # NaN: not counted (see _start)
-        "wan_bytes": None if wan != wan else int(wan),
+        "lan_bytes": int(lan) if known else None,
+        "wan_bytes": int(wan) if known and wan == wan else None,  # NaN: not asked of servers
         "wall_s": wall,
-        "compute_s": compute,
-        "wait_s": wait,
-        "other_s": max(0.0, wall - compute - wait),
+        "compute_s": compute if known else None,
+        "wait_s": wait if known else None,
+        "other_s": max(0.0, wall - compute - wait) if known else None,
     }
-    if compute != compute:  # NaN: no optimizer known
-        for k in ("lan_bytes", "wan_bytes", "compute_s", "wait_s", "other_s"):
-            record[k] = None
-    return record
 
 
 class Metrics:
@@ -647,12 +644,14 @@ class Metrics:
         """The step records under way are dropped (rank 0's own records among them stay)."""
         self._open = None
         kept: deque = deque()
+        dropped = False
         for r in self._queue:
             if isinstance(r, _Batch):
                 kept.extend(rec for _, rec in r.after)
+                dropped = True
             else:
                 kept.append(r)
-        if any(isinstance(r, _Batch) for r in self._queue):
+        if dropped:
             LOG.debug("geompi: metrics: step records cut off by a lost rank are dropped")
         self._queue = kept
 

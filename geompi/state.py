@@ -98,7 +98,7 @@ def save(
         try:
             target = pathlib.Path(path)
             if keep is not None or target.is_dir():
-                target = target / ckpt.checkpoint_name(step)
+                target = target / _step_name(step)
             written = _write(
                 target, model, optimizer, held, everyone, engine, step, epoch, metrics, s
             )
@@ -126,11 +126,20 @@ def _check_keep(keep: Any, step: Any) -> None:
     count = isinstance(keep, int) and not isinstance(keep, bool)
     if keep is not None and not (count and keep >= 1):
         raise ConfigError(f"geompi.save(keep={keep!r}): give a whole number >= 1 or None")
-    if keep is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+    if keep is not None:
+        _step_name(step)
+
+
+def _step_name(step: Any) -> str:
+    """The file name a directory path gets (``ckpt-<step>.h5``), or the one-line refusal of a
+    step that cannot name it."""
+    try:
+        return ckpt.checkpoint_name(step)
+    except ValueError:
         raise ConfigError(
-            f"geompi.save(keep=...) names the file by its step: give step= a whole number "
-            f">= 0, not {step!r}"
-        )
+            f"geompi.save into a directory names the file by its step: give step= a whole "
+            f"number >= 0, not {step!r}"
+        ) from None
 
 
 def latest(directory: str | os.PathLike) -> pathlib.Path | None:

@@ -90,6 +90,7 @@ def test_latest_skips_a_torn_file_in_one_line_and_none_readable_is_an_error(tmp_
         (True, 1, r"geompi.save\(keep=True\)"),
         (2, -1, r"names the file by its step: give step= a whole number >= 0, not -1"),
         (2, 1.5, r"not 1.5"),
+        (None, 1.5, r"into a directory names the file by its step: .* not 1.5"),  # no keep
     ],
 )
 def test_a_bad_keep_is_one_line_and_nothing_is_written(tmp_path, keep, step, message):
