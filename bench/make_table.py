@@ -761,6 +761,39 @@ def render_compare_commits(d: dict) -> list[str]:
     return out
 
 
+def render_replication(d: dict) -> list[str]:
+    rows = []
+    for case, c in d["cases"].items():
+        row = [case]
+        for key in ("wall_s_per_step", "cpu_s_per_step"):
+            for n in ("1", "2"):
+                f = c[key][n]
+                row.append(f"{1e3 * f['median']:.1f} ({1e3 * f['min']:.1f}-{1e3 * f['max']:.1f})")
+            row.append(num(c[key]["ratio_of_medians"], 3))
+        row.append(num(c["wan_bytes_per_step"]["ratio_of_medians"], 3))
+        rows.append(row)
+    out = table(
+        [
+            "case",
+            "ms/step, 1 copy",
+            "ms/step, 2 copies",
+            "ratio",
+            "CPU ms/step, 1 copy",
+            "CPU ms/step, 2 copies",
+            "ratio",
+            "WAN bytes ratio",
+        ],
+        rows,
+    )
+    out.append("")
+    out.append(
+        "Medians (min-max) of alternating runs; CPU summed over the 8 ranks. "
+        "A mirror gets the same slices from the local servers as its shard's server, so the "
+        "uploads double and the WAN bytes (up and down) are 1.5x."
+    )
+    return out
+
+
 def render_generic(d: dict) -> list[str]:
     skip = {"benchmark", "command", "note"}
     rows = [
@@ -798,6 +831,7 @@ RENDERERS = {
     "compare_commits": render_compare_commits,
     "compare_commits_harness": render_compare_commits,
     "compare_commits_metrics": render_compare_commits,
+    "replication": render_replication,
 }
 TITLES = {
     "adaptive_wan": "HFA's adaptive cadence on two emulated WAN links (1 Gbit/s, 100 Mbit/s)",
@@ -833,6 +867,8 @@ TITLES = {
     "real_wan_20mbit": "The same on a link-bound setting: FSA and HFA at 20 Mbit/s, 60 steps "
     "(bench/real_wan.py --methods fsa,hfa --rates 20mbit --steps 60)",
     "real_wan_mixed": "MixedSync across network namespaces too (bench/real_wan.py --methods mixed)",
+    "replication": "Replicated global servers (--global-replicas 2) against one copy: time, CPU "
+    "and WAN bytes per step",
 }
 
 

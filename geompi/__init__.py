@@ -128,6 +128,10 @@ def init(comm=None, **settings) -> None:
             (``--dc-sizes``).
         global_servers (int): global servers, each holding a slice of every key
             (``--global-servers``; default 1).
+        global_replicas (int): 2 keeps an exact copy of each global server's shard (values,
+            optimizer and outer state) on the next global server, which receives the same
+            slices from the local servers (``--global-replicas``; default 1; FSA and HFA, with
+            2 or more global servers).
         wan_bandwidth (str): emulated WAN bandwidth per datacenter, e.g. ``"100Mbit"``.
         wan_latency (str): emulated one-way WAN latency, e.g. ``"25ms"``.
         lan_bandwidth (str): emulated LAN bandwidth, e.g. ``"10Gbit"``.

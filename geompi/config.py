@@ -43,6 +43,7 @@ INIT_SETTINGS = (
     "dcs",
     "dc_sizes",
     "global_servers",
+    "global_replicas",
     "wan_bandwidth",
     "wan_latency",
     "lan_bandwidth",
@@ -64,6 +65,8 @@ class RunConfig:
     dcs: int | None = None
     dc_sizes: tuple[int, ...] | None = None
     global_servers: int | None = None
+    # 2: every global server's shard also kept, exactly, by the next global server
+    global_replicas: int = 1
     dc_map: str = "blocks"
     # model, data, optimization
     model: str = "cnn"
@@ -228,6 +231,9 @@ class RunConfig:
             raise ConfigError(
                 f"unknown {src} {self.lan_reduce!r}: choose one of {', '.join(LAN_REDUCE)}"
             )
+        if self.global_replicas not in (1, 2):
+            src = self.sources.get("global_replicas", "--global-replicas")
+            raise ConfigError(f"{src} {self.global_replicas!r}: choose 1 or 2")
         if self.dc_map not in ("blocks", "nodes"):
             raise ConfigError(f"unknown --dc-map {self.dc_map!r}: choose blocks or nodes")
         if self.max_staleness is not None and self.max_staleness < 1:
@@ -596,6 +602,12 @@ def _topology_flags(p: _Parser, d: RunConfig) -> None:
         "--global-servers", type=_int("--global-servers"), help="global servers (default 1)"
     )
     t.add_argument(
+        "--global-replicas",
+        type=_int("--global-replicas"),
+        help="copies of each global server's shard: 2 keeps an exact copy on the next global "
+        "server (needs --global-servers 2 or more; default 1)",
+    )
+    t.add_argument(
         "--dc-map",
         metavar="{blocks,nodes}",
         help=f"nodes: one datacenter per node (default {d.dc_map})",
@@ -739,6 +751,7 @@ _ENV = {
     "dcs": "GEOMPI_DCS",
     "dc_sizes": "GEOMPI_DC_SIZES",
     "global_servers": "GEOMPI_GLOBAL_SERVERS",
+    "global_replicas": "GEOMPI_GLOBAL_REPLICAS",
     "wan_bandwidth": "GEOMPI_WAN_BANDWIDTH",
     "wan_latency": "GEOMPI_WAN_LATENCY",
     "lan_bandwidth": "GEOMPI_LAN_BANDWIDTH",

@@ -24,7 +24,7 @@ import torch
 
 from geompi.comm.transport import isend_state, live_timeout, recv_state
 from geompi.errors import CheckpointError
-from geompi.ps.protocol import TAG_RESTORE, TAG_SNAPSHOT
+from geompi.ps.protocol import MIRRORED, TAG_RESTORE, TAG_SNAPSHOT
 from geompi.sync.hfa import OUTER_STATE
 
 _BACKUP = re.compile(r"^backup_dc(\d+)$")
@@ -251,5 +251,8 @@ class HeldState:
         """Master worker, during the INIT round: each global server's slice of the state
         (``states``: ``shard_states``')."""
         w = self.w
-        for gs, st in zip(w.topo.global_servers, states):
+        topo = w.topo
+        for g, (gs, st) in enumerate(zip(topo.global_servers, states)):
+            if topo.replicas > 1:  # the shard it mirrors comes with its own
+                st = {**st, MIRRORED: states[topo.mirrored_shard(g)]}
             isend_state(reqs, w.comms.world, st, gs, TAG_RESTORE, w.client.link.stats)

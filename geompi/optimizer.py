@@ -220,6 +220,8 @@ def _validate(optimizer, model, sync, s, bucket_mb, max_grad_norm, passes, wan) 
                 "wan_compression"
             )
     algo.check_clipping(max_grad_norm)
+    if s.topo.replicas > 1:
+        algo.check_replication()
     from geompi.state import param_names
 
     param_names(model, optimizer)  # every parameter it holds is the model's

@@ -557,7 +557,9 @@ def plan_topology(cfg, comm, alone: bool = False):
         if cfg.dc_sizes is not None or cfg.dcs is not None:
             raise ConfigError("--dc-map nodes derives the datacenters: drop --dcs/--dc-sizes")
     try:
-        topo = Topology.plan(comm.Get_size(), cfg.dcs, sizes, cfg.global_servers)
+        topo = Topology.plan(
+            comm.Get_size(), cfg.dcs, sizes, cfg.global_servers, cfg.global_replicas
+        )
     except TopologyError as e:
         if alone and comm.Get_size() == 1:  # what init() would do without them
             raise TopologyError(

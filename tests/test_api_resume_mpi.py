@@ -109,3 +109,66 @@ def test_a_collective_with_different_shapes_is_one_line_and_stops_every_rank(tmp
     lines = [ln for ln in res.stderr.splitlines() if "geompi: error:" in ln]
     assert len(lines) == 1, res.stderr[-3000:]
     assert "worker 1 passed (3,) torch.float32 op=mean but worker 0 passed (2,)" in lines[0]
+
+
+@pytest.fixture(scope="module")
+def replicated(tmp_path_factory):
+    out = tmp_path_factory.mktemp("api_replicated")
+    dumps = out / "mirrors"
+    dumps.mkdir()
+    env = {"GEOMPI_TEST_MIRROR_DUMP": str(dumps)}
+    args = ["-m", "mpi4py", prog("api_resume.py"), str(out), "replicated"]
+    res = mpirun(7, args, 300, env=env, check=False)
+    assert (out / "trained-w0.json").exists(), res.stderr[-3000:]
+    (out / "stderr.txt").write_text(res.stderr)
+    (out / "rc.txt").write_text(str(res.returncode))
+    return out
+
+
+@pytest.mark.parametrize("tag", ["hfa-whole", "hfa-resumed", "fsa-whole", "fsa-resumed"])
+def test_replicated_global_servers_train_as_one_copy_and_resume_exactly(run, replicated, tag):
+    """global_replicas=2: the models equal those of the run without replicas, bitwise (the
+    mirrors answer nothing), through a checkpoint and its restore too (HFA's outer momentum,
+    FSA's Adam on the servers)."""
+    for a, b in zip(models(run, tag), models(replicated, tag)):
+        for k in a:
+            assert torch.equal(a[k], b[k]), k
+
+
+def test_every_mirror_holds_exactly_what_its_shard_holds(replicated):
+    """Each global server's mirror of the other's shard at the end of each job (4 per server:
+    HFA and FSA in one go and through files, the resumed ones restored from the checkpoint
+    with the mirrored shard's state), bitwise: values, optimizer state, outer momentum."""
+    dumps = replicated / "mirrors"
+    for job in range(4):
+        snaps = [torch.load(dumps / f"gs{g}-{job}.pt") for g in (0, 1)]
+        for g in (0, 1):
+            own, mirror = snaps[1 - g]["own"], snaps[g]["mirror"]
+            assert mirror["index"] == own["index"] == 1 - g
+            assert mirror["updates"] == own["updates"] > 0
+            _same(mirror, own)
+    assert any(torch.load(dumps / f"gs0-{j}.pt")["own"]["outer"] for j in range(4))
+    assert any(torch.load(dumps / f"gs0-{j}.pt")["own"]["state"] for j in range(4))
+
+
+def _same(a, b) -> None:
+    if isinstance(a, dict):
+        assert set(a) == set(b)
+        for k in a:
+            _same(a[k], b[k])
+    elif isinstance(a, torch.Tensor):
+        assert torch.equal(a, b)
+    else:
+        assert a == b
+
+
+def test_mixedsync_refuses_replicas_in_one_line(replicated):
+    """The one-sided tier keeps no mirrors yet: one line, every rank ends, non-zero."""
+    err = (replicated / "stderr.txt").read_text()
+    lines = [ln for ln in err.splitlines() if ln.startswith("geompi: error:")]
+    assert lines == [
+        "geompi: error: global_replicas=2 with mixed is not supported yet: the one-sided "
+        "global tier keeps one copy of each shard; use geompi.FSA() or HFA, or global_replicas=1"
+    ], err[-2000:]
+    assert (replicated / "rc.txt").read_text() != "0"
+    assert not list(replicated.glob("done-*"))

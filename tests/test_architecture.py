@@ -268,8 +268,9 @@ def test_the_graph_is_read():
 
 
 # The longest function in geompi (lines, decorators excluded), held at the design's bound of
-# 120 (the CLI's loop was 143 before its split): it may only fall.
-LONGEST_FUNCTION_ALLOWED = 120
+# 120 (the CLI's loop was 143 before its split), now 112 since the global server's round
+# split for replication: it may only fall.
+LONGEST_FUNCTION_ALLOWED = 112
 FUNCTION_BOUND = 120
 
 

@@ -9,6 +9,7 @@ hand, the optimizer steps by ``torch.optim`` on the whole (unsharded) key.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 
@@ -16,12 +17,13 @@ import numpy as np
 import pytest
 import torch
 
+from geompi.comm.compression import make_compressor
 from geompi.comm.topology import Role, Topology, build_communicators
-from geompi.comm.transport import LAN, Link, LinkStats
+from geompi.comm.transport import LAN, WAN, Link, LinkStats
 from geompi.errors import NonFiniteError
 from geompi.ps.client import PSClient
 from geompi.ps.global_server import GlobalServer
-from geompi.ps.local_server import LocalServer
+from geompi.ps.local_server import LocalServer, SyncUplink
 from geompi.ps.optim import DCASGD, SGD, Adam, spec_to_dict
 from geompi.ps.protocol import (
     FLAG_GLOBAL,
@@ -34,6 +36,7 @@ from geompi.ps.protocol import (
     Round,
     presence_payload,
 )
+from geompi.ps.wan import TierCodec
 from geompi.sync import FSA, HFA, Algorithm
 
 try:
@@ -64,19 +67,26 @@ def run_job(
     *,
     algo: Algorithm | None = None,
     on_nonfinite: str = "abort",
+    topo: Topology = TOPO,
+    codec: str | None = None,
 ) -> tuple[dict[int, object], dict[int, LocalServer | GlobalServer]]:
-    """Every rank of TOPO in a thread: the servers (with ``algo``'s policies, FSA's by
-    default) serve until STOP, each worker runs ``worker(rank, client)`` then stops. Returns
-    the workers' results and the servers."""
+    """Every rank of ``topo`` (TOPO, or the same with replicas) in a thread: the servers (with
+    ``algo``'s policies, FSA's by default; ``codec``: the global tier's WAN codec) serve until
+    STOP, each worker runs ``worker(rank, client)`` then stops. Returns the workers' results and
+    the servers."""
     algo = algo or FSA()
-    world = LoopbackWorld(TOPO.world_size)
+    world = LoopbackWorld(topo.world_size)
+
+    def tier_codec() -> TierCodec | None:
+        return TierCodec(make_compressor(codec)) if codec else None
+
     servers: dict[int, LocalServer | GlobalServer] = {}
 
     def body(rank: int) -> Callable[[], object]:
         def run() -> object:
-            comms = build_communicators(TOPO, world.comm(rank))
+            comms = build_communicators(topo, world.comm(rank))
             stats = LinkStats()
-            role = TOPO.role(rank)
+            role = topo.role(rank)
             if role is Role.WORKER:
                 client = PSClient(Link(comms.dc, LAN, stats))
                 out = worker(rank, client)
@@ -84,16 +94,21 @@ def run_job(
                 return out
             if role is Role.LOCAL_SERVER:
                 policy = algo.local_policy()
-                server = LocalServer(comms, TOPO, stats, policy=policy, on_nonfinite=on_nonfinite)
+                up = SyncUplink(Link(comms.glob, WAN, stats), topo, codec=tier_codec())
+                server = LocalServer(
+                    comms, topo, stats, policy=policy, on_nonfinite=on_nonfinite, uplink=up
+                )
             else:
-                server = GlobalServer(comms, TOPO, stats, policy=algo.global_policy())
+                server = GlobalServer(
+                    comms, topo, stats, codec=tier_codec(), policy=algo.global_policy()
+                )
             servers[rank] = server
             server.run()
             return None
 
         return run
 
-    results = run_ranks(world, {r: body(r) for r in range(TOPO.world_size)})
+    results = run_ranks(world, {r: body(r) for r in range(topo.world_size)})
     return {r: results[r] for r in WORKERS}, servers
 
 
@@ -384,6 +399,81 @@ def test_hfa_datacenter_average_and_every_k2th_global_outer_step(outer: dict | N
     assert global_rounds == [2, 5]
     for i, (key, _) in enumerate(KEYS):
         close(torch.cat(shards(servers, key)), model[i].detach())
+
+
+# --- replicated global servers: each shard mirrored, exactly, by the next server --------------
+REPLICATED = dataclasses.replace(TOPO, replicas=2)
+
+
+def assert_mirrors_exact(servers: dict) -> None:
+    """Every global server's mirror holds exactly (bitwise) what the server it mirrors holds:
+    values, optimizer state, the policy's state (HFA's outer momentum), the update count and
+    the WAN codec's replicas; and a mirror sends nothing (only the shard's own server answers,
+    or the workers would see two results)."""
+    ranks = REPLICATED.global_servers
+    for g, r in enumerate(ranks):
+        owner = servers[ranks[REPLICATED.mirrored_shard(g)]]
+        mirror = servers[r].mirror
+        assert mirror is not None and mirror.index == owner.index != g
+        assert mirror.updates == owner.updates > 0
+        assert_same_tree(mirror.values, owner.values)
+        if owner.optimizer is not None:
+            assert_same_tree(mirror.optimizer.state_dict(), owner.optimizer.state_dict())
+        assert_same_tree(mirror.policy.state_dict(), owner.policy.state_dict())
+        if owner.codec is not None:
+            assert owner.codec.replica
+            assert_same_tree(mirror.codec.replica, owner.codec.replica)
+
+
+def assert_same_tree(a, b) -> None:
+    if isinstance(a, dict):
+        assert set(a) == set(b), (sorted(a), sorted(b))
+        for k in a:
+            assert_same_tree(a[k], b[k])
+    elif isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), (a, b)
+    else:
+        assert a == b
+
+
+CLIP = {"max_grad_norm": 0.5}  # binds on these gradients: every shard takes one factor
+
+
+@pytest.mark.parametrize("codec", [None, "topk:0.5"], ids=["plain", "topk"])
+def test_fsa_adam_with_clipping_mirrored_exactly_and_answered_once(codec: str | None) -> None:
+    """FSA with Adam on the servers and clipping (one factor over every shard): with replicas,
+    each shard's mirror steps the same slices to the same bits, the workers see what they see
+    without replicas (the mirror answers nothing), and each local server sends every slice
+    twice."""
+    spec = {"optimizer": spec_to_dict(OPTIMIZERS["adam"][0]), **CLIP}
+    seen, servers = run_job(fsa_worker(spec, 0), topo=REPLICATED, codec=codec)
+    plain, alone = run_job(fsa_worker(spec, 0), codec=codec)
+    assert_mirrors_exact(servers)
+    for rank in WORKERS:
+        for got_step, want_step in zip(seen[rank], plain[rank]):
+            for got, want in zip(got_step, want_step):
+                assert torch.equal(got, want)
+    ls = REPLICATED.local_server(0)
+    assert servers[ls].stats.sent[WAN] - servers[ls].stats.control[WAN] == 2 * (
+        alone[ls].stats.sent[WAN] - alone[ls].stats.control[WAN]
+    )
+
+
+@pytest.mark.parametrize("codec", [None, "topk:0.5"], ids=["plain", "topk"])
+def test_hfa_outer_nesterov_mirrored_exactly(codec: str | None) -> None:
+    """HFA, K2 = 3 with a forced global round, outer Nesterov momentum on the servers: the
+    mirrors hold the same model and momentum after datacenter and global rounds (with a lossy
+    codec: the same codec replicas, which exact rounds read)."""
+    outer = {"outer": {"name": "nesterov", "lr": 0.7}}
+    work = hfa_worker(outer, {2}, 6)
+    seen, servers = run_job(work, algo=HFA(k1=1, k2=3), topo=REPLICATED, codec=codec)
+    plain, _ = run_job(work, algo=HFA(k1=1, k2=3), codec=codec)
+    assert_mirrors_exact(servers)
+    assert any(servers[r].policy.state_dict() for r in REPLICATED.global_servers)
+    for rank in WORKERS:
+        for got_round, want_round in zip(seen[rank], plain[rank]):
+            for got, want in zip(got_round, want_round):
+                assert torch.equal(got, want)
 
 
 # --- MixedSync's policy: DCASGD on a global server ---------------------------------------------

@@ -346,3 +346,31 @@ def test_the_abort_line_says_what_mpi_abort_ends(monkeypatch: pytest.MonkeyPatch
     assert faults.abort_reach().startswith("ending this rank, as --on-failure continue")
     monkeypatch.setattr(faults, "_last_world", object())  # after a recovery
     assert faults.abort_reach() == "aborting every rank"
+
+
+def test_replicas_mirror_each_shard_on_the_next_global_server_and_survive_a_recovery() -> None:
+    from geompi.comm.faults import surviving_topology
+
+    t = Topology.plan(11, dc_sizes=[3, 2, 3], global_servers=3, replicas=2)
+    assert [t.replica_server(g) for g in range(3)] == [1, 2, 0]
+    assert [t.mirrored_shard(g) for g in range(3)] == [2, 0, 1]
+    assert all(t.mirrored_shard(t.replica_server(g)) == g for g in range(3))
+    after, _ = surviving_topology(t, {7})  # a datacenter leaves; the global tier stays
+    assert after.replicas == 2 and after.num_global_servers == 3
+    assert Topology.plan(11, dc_sizes=[3, 2, 3], global_servers=3).replicas == 1
+
+
+def test_replicas_need_a_second_global_server_and_say_so() -> None:
+    with pytest.raises(TopologyError, match="--global-replicas 2 .* --global-servers 2 or more"):
+        Topology.plan(8, global_servers=1, replicas=2)
+
+
+@pytest.mark.parametrize("bad", ["3", "0"])
+def test_global_replicas_is_one_or_two(bad: str) -> None:
+    from geompi.config import make_config
+
+    with pytest.raises(ConfigError, match=f"--global-replicas {bad}: choose 1 or 2"):
+        make_config(["--global-replicas", bad]).validate()
+    with pytest.raises(ConfigError, match=f"GEOMPI_GLOBAL_REPLICAS {bad}: choose 1 or 2"):
+        make_config([], env={"GEOMPI_GLOBAL_REPLICAS": bad}).validate()
+    assert make_config(["--global-replicas", "2"]).validate().global_replicas == 2

@@ -231,7 +231,7 @@ def surviving_topology(topo: Topology, lost: set[int]) -> tuple[Topology, list[i
             f"{_restart}"
         )
     g = topo.num_global_servers
-    return Topology(sum(sizes) + g, tuple(sizes), g), left
+    return Topology(sum(sizes) + g, tuple(sizes), g, topo.replicas), left
 
 
 TEST_HOOKS = "GEOMPI_TEST_HOOKS"  # =1: the GEOMPI_FAULT_* test hooks are read (tests only)

@@ -54,6 +54,8 @@ class Topology:
     world_size: int
     dc_sizes: tuple[int, ...]
     num_global_servers: int
+    # copies of each global server's shard (2: the next global server mirrors it)
+    replicas: int = 1
 
     @classmethod
     def plan(
@@ -62,11 +64,17 @@ class Topology:
         dcs: int | None = None,
         dc_sizes: Sequence[int] | None = None,
         global_servers: int | None = None,
+        replicas: int = 1,
     ) -> Topology:
         """Validate the settings and choose a sensible default for whatever is not given."""
         g = 1 if global_servers is None else int(global_servers)
         if g < 1:
             raise TopologyError(f"--global-servers {g}: need at least 1 global server")
+        if replicas > 1 and g < 2:
+            raise TopologyError(
+                f"--global-replicas {replicas} keeps each shard's copy on another global server: "
+                "pass --global-servers 2 or more"
+            )
         if dcs is not None and dcs < 1:
             raise TopologyError(f"--dcs {dcs}: need at least 1 datacenter")
         if world_size < g + 2:
@@ -103,7 +111,7 @@ class Topology:
                     f"datacenter {d} has {s} rank(s) and so no worker: every datacenter needs "
                     "its local server plus at least 1 worker (size >= 2 in --dc-sizes)"
                 )
-        return cls(world_size, tuple(sizes), g)
+        return cls(world_size, tuple(sizes), g, int(replicas))
 
     @classmethod
     def alone(cls) -> Topology:
@@ -173,6 +181,15 @@ class Topology:
         """The slice [lo, hi) of a flat key of ``numel`` elements owned by server ``server``."""
         g = self.num_global_servers
         return server * numel // g, (server + 1) * numel // g
+
+    def replica_server(self, server: int) -> int:
+        """Under replication: the global server (its index) that mirrors shard ``server``,
+        the next one round the ring."""
+        return (server + 1) % self.num_global_servers
+
+    def mirrored_shard(self, server: int) -> int:
+        """Under replication: the shard that global server ``server`` mirrors."""
+        return (server - 1) % self.num_global_servers
 
     def describe(self) -> dict:
         """A JSON-friendly summary, stored in checkpoints and metrics."""

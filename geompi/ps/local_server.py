@@ -28,6 +28,7 @@ from geompi.ps.protocol import (
     TAG_DATA,
     TAG_EXCHANGES,
     TAG_HEADER,
+    TAG_MIRROR,
     TAG_RESULT,
     TAG_SPEC,
     TAG_STATS,
@@ -166,8 +167,13 @@ class SyncUplink:
                     piece = self.codec.encode_push((key, g), piece, ref_weight, idle)
                     self._keep.append(piece)
                 self._send(self.sends, piece, gs, TAG_DATA + i)
+                copies = 1
+                if self.topo.replicas > 1:  # the same bytes to the server mirroring the shard
+                    mirror = self.topo.num_dcs + self.topo.replica_server(g)
+                    self._send(self.sends, piece, mirror, TAG_MIRROR + i)
+                    copies = 2
                 if self.rnd.op is not Op.INIT:  # the peak of training rounds
-                    self.round_bytes += piece.numel() * piece.element_size()
+                    self.round_bytes += copies * piece.numel() * piece.element_size()
                     self.peak_round_bytes = max(self.peak_round_bytes, self.round_bytes)
         self.sends.test()
 

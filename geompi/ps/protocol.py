@@ -96,6 +96,12 @@ TAG_DATA = 1000  # + position of the key in the round
 TAG_RESULT = 1000 + MAX_KEYS
 TAG_PEER_PUSH = 1000 + 2 * MAX_KEYS  # + position: a slice of a worker's push, to its holder
 TAG_PEER_RESULT = 1000 + 3 * MAX_KEYS  # + position: a worker's slice of the result, to its peers
+# + position: under replication, a local server's copy of a shard's slice to the server that
+# mirrors that shard (geompi.ps.global_server)
+TAG_MIRROR = 1000 + 4 * MAX_KEYS
+# In the state restored into a global server (TAG_RESTORE) under replication: the state of the
+# shard it mirrors
+MIRRORED = "mirrored"
 
 
 @dataclass

@@ -383,6 +383,10 @@ class Algorithm:
     def check_clipping(self, max_grad_norm: float | None) -> None:  # noqa: B027
         """Refuse, in one line (ConfigError), ``max_grad_norm`` where it has no meaning."""
 
+    def check_replication(self) -> None:  # noqa: B027 - optional check
+        """``global_replicas=2``: refuse, in one line (ConfigError), where this algorithm's
+        global servers do not keep their mirrors (the synchronous tier does)."""
+
     def check_force_global(self) -> None:
         """``force_global_average()``: refused (ConfigError) where every round is global."""
         from geompi.errors import ConfigError

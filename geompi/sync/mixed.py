@@ -154,6 +154,12 @@ class MixedSync(Algorithm):
                 "datacenter's gradient, not the global one; clip under geompi.FSA() or HFA"
             )
 
+    def check_replication(self) -> None:
+        raise ConfigError(
+            f"global_replicas=2 with {self.name} is not supported yet: the one-sided global "
+            "tier keeps one copy of each shard; use geompi.FSA() or HFA, or global_replicas=1"
+        )
+
     def worker(self, engine: Engine) -> WorkerSide:
         return MixedWorker(engine)
 

@@ -7,6 +7,8 @@ global servers through geompi.save/load; the same FSA through torch's own patter
 (opt.state_dict() / load_state_dict() and the model's); MixedSync's state_dict() holds the
 servers' Adam state; geompi.load between opt.close() and the next DistributedOptimizer.
 ``closed``: geompi.load(optimizer=...) of a closed optimizer whose state the servers held.
+``replicated``: HFA and FSA as in ``resume`` with ``global_replicas=2``; then MixedSync, refused
+(the job ends there).
 """
 
 import json
@@ -19,7 +21,8 @@ from geompi.runtime import end_process
 from tests.progs.api_common import make_model, train_steps
 
 out, mode = sys.argv[1], sys.argv[2]
-geompi.init(dc_sizes=(3, 2), global_servers=2)
+replicated = {"global_replicas": 2} if mode == "replicated" else {}
+geompi.init(dc_sizes=(3, 2), global_servers=2, **replicated)
 w = geompi.worker_rank()
 
 
@@ -139,6 +142,13 @@ if mode == "resume":
     }
     with open(f"{out}/collectives-w{w}.json", "w") as f:
         json.dump(got, f)
+elif mode == "replicated":  # every shard mirrored: the same cases, and MixedSync refused
+    for name in ("hfa", "fsa"):
+        in_one_go(name)
+        through_files(name)
+    with open(f"{out}/trained-w{w}.json", "w") as f:
+        json.dump({"mode": mode}, f)
+    build("mixed")  # refused: one line, every rank ends
 elif mode == "mismatch":  # worker 1 reduces another shape: one line, every rank stops
     geompi.all_reduce(torch.zeros(3 if w == 1 else 2))
 elif mode == "closed":
