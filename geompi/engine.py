@@ -211,6 +211,7 @@ class Synchronizer:
         """The INIT round, once the servers know the job. ``extra_spec`` joins the servers'
         spec; ``send_restore(reqs)`` (the CLI's master, on resume) adds their saved state."""
         spec = {**(self.server_spec or {}), **(extra_spec or {}), **self.side.init_spec()}
+        self.begun_spec = spec  # what configured the global servers (a takeover sends it again)
         self.init_round(spec, send_restore)
         self.stats.reset_time()  # the report's waits and wall time cover training, not INIT
         self.t_start = time.perf_counter()
@@ -224,13 +225,19 @@ class Synchronizer:
         self.global_syncs = int(state.get("global_syncs", 0))
         self.side.load_state(state)
 
-    @torch.no_grad()
-    def init_round(self, spec: dict | None = None, send_restore=None) -> None:
-        """Every worker gets the master worker's parameters and buffers (collective)."""
+    def init_payload(self, spec: dict | None) -> bytes | None:
+        """An INIT round's spec as this worker sends it: the master's whole, the layout alone
+        from the first worker of another datacenter, nothing from the others."""
         payload = json.dumps(spec, sort_keys=True).encode() if spec and self.master else None
         if spec and "layout" in spec and self.dc_first and not self.master:
             # every local server's codec needs the layout (idle parameters keep their residual)
             payload = json.dumps({"layout": spec["layout"]}).encode()
+        return payload
+
+    @torch.no_grad()
+    def init_round(self, spec: dict | None = None, send_restore=None) -> None:
+        """Every worker gets the master worker's parameters and buffers (collective)."""
+        payload = self.init_payload(spec)
         presence = self.side.servers_step
         reqs = self.client.start(Op.INIT, self.keys(), spec=payload)
         for b in self.buckets:

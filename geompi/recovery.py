@@ -19,9 +19,10 @@ import numpy as np
 import torch
 
 from geompi.comm import faults
-from geompi.comm.transport import LAN, Link
+from geompi.comm.transport import LAN, Link, live_timeout, recv_state
 from geompi.errors import GeompiError
 from geompi.ps.client import PSClient
+from geompi.ps.protocol import Op
 
 
 class Recovery:
@@ -119,6 +120,8 @@ class Recovery:
         e = self.e
         loss = faults.recover(e.s.comms, e.s.topo, e.client.done_id)
         self.rejoin(loss.topo)
+        if loss.lost_global:
+            self.take_over(loss)
         if e.rejoined is not None:  # the caller's (the CLI's loop)
             e.rejoined(loss)
         for again in e.on_rejoin:  # geompi.Metrics: its own communicator, rebuilt here
@@ -141,6 +144,61 @@ class Recovery:
         )
         e.side.rejoined()
         e.closed = False  # close() may have been cut off too: it runs again
+
+    def take_over(self, loss: faults.Loss) -> None:
+        """Collective over the workers (and every server) after a lost global server whose
+        shard a mirror kept: the surviving global servers hand their shards and mirrors to the
+        master worker, which puts the global tier's state back together as it was at the
+        last round a survivor completed (``loss.done``: every copy undid a later one), and
+        re-shards it over the global servers left through an INIT round (values) and a
+        restore (optimizer, outer and update state), as a checkpoint's resume does."""
+        from geompi.held_state import HeldState
+        from geompi.ps.protocol import TAG_TAKEOVER
+
+        e = self.e
+        values = send = None
+        if e.master:
+            shards: dict[int, dict] = {}
+            for gs in loss.topo.global_servers:
+                handed = recv_state(
+                    e.s.comms.world, gs, TAG_TAKEOVER, e.stats, live_timeout(e.client.timeout),
+                    f"the shards of global server {gs}",
+                )  # fmt: skip
+                assert isinstance(handed, dict)  # a state message is a dict
+                for snap in handed["shards"]:  # its own shard first: a mirror's is its equal
+                    shards.setdefault(int(snap["index"]), snap)
+            ordered = [shards[i] for i in range(loss.before.num_global_servers)]
+            io = HeldState.for_engine(e)
+            model, optimizer, algorithm = io.assemble(ordered)
+            algorithm["global_updates"] = int(ordered[0]["updates"])
+            values = {k: torch.cat([s["values"][k] for s in ordered]) for k in ordered[0]["values"]}
+            states = io.shard_states(optimizer, algorithm, model)
+            if states is not None:
+                send = lambda reqs: io.send_server_states(reqs, states)  # noqa: E731
+        self._reinit_servers(values, send)
+
+    @torch.no_grad()
+    def _reinit_servers(self, values: dict[int, torch.Tensor] | None, send_restore) -> None:
+        """Collective over the workers: an INIT round that gives the re-planned global servers
+        the master's ``values`` of every key with the spec they began with (the optimizer's
+        hyperparameters as they are now), then their state (``send_restore``). The workers
+        keep their own parameters: the round's results are dropped."""
+        e = self.e
+        spec = dict(e.begun_spec)
+        now = e.algo.server_spec(e.opt) if e.master else None
+        if now is not None:
+            spec.update(now)
+        spec["restore"] = send_restore is not None
+        keys = e.keys()
+        reqs = e.client.start(Op.INIT, keys, spec=e.init_payload(spec))
+        for k, n in keys:
+            held = values.get(k) if values is not None else None
+            reqs.push(held if held is not None else torch.zeros(n))
+        for _, n in keys:
+            reqs.pull(torch.empty(n))
+        if send_restore is not None:
+            send_restore(reqs)
+        reqs.wait()
 
     def recover(self) -> faults.Loss:
         """A gradient round's one recovery (FSA, MixedSync), on every worker wherever the loss

@@ -156,6 +156,29 @@ def test_a_lost_global_server_stops_the_job_which_resumes_from_its_checkpoint(tm
     assert summary["steps"] == 12 and max_abs_diff(got, reference(lost=None)) <= 1e-5
 
 
+@pytest.mark.parametrize(
+    "sync, at, rank", [("fsa", 6, 8), ("hfa", 8, 9)], ids=["fsa-server-0", "hfa-server-1"]
+)
+def test_a_lost_global_server_is_taken_over_by_its_mirror(tmp_path, sync, at, rank):
+    """--global-replicas 2: a global server is killed at the start of a round (FSA: step 6,
+    SGD with momentum on the servers; HFA: step 8's global average, outer Nesterov). Its shard
+    goes on from the mirror the other server kept; the master re-shards the tier over the one
+    server left; exit 0, one line, and the final model equals the uninterrupted run's
+    (independent simulations: large-batch SGD, and HFA's), to 1e-6."""
+    env = {**ULFM_ENV, **HOOKS, "GEOMPI_FAULT_KILL_AT": f"{at}:{rank}", "TEST_GLOBAL_REPLICAS": "2"}
+    res = mpirun(10, [prog("dc_lost.py"), sync, str(tmp_path)], 150, env=env, launcher=ULFM)
+    (line,) = [ln for ln in res.stderr.splitlines() if ln.startswith("geompi: lost")]
+    assert f"{rank} (global server) at step {at}" in line, line
+    assert f"the shard(s) of global server(s) {rank - 8} go on from their mirrors" in line, line
+    assert "re-sharded over 1 global server(s)" in line and "5 worker(s), 9 rank(s)" in line
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    (f,) = summary["failures"]
+    assert (f["step"], f["lost_ranks"], f["left_dcs"], f["lost_workers"]) == (at, [rank], [], 0)
+    assert f["topology"]["global_servers"] == 1 and summary["steps"] == 12
+    want = fsa_reference(lost=()) if sync == "fsa" else reference(lost=None)
+    assert max_abs_diff(torch.load(tmp_path / "model.pt"), want) <= 1e-6
+
+
 def test_hfa_survives_a_loss_at_a_datacenter_round(tmp_path, expected):
     """Datacenter 2's local server is lost at step 2, a datacenter-only average: the others
     finish theirs and learn of the loss later, at their next wait (the world revoked by

@@ -374,3 +374,24 @@ def test_global_replicas_is_one_or_two(bad: str) -> None:
     with pytest.raises(ConfigError, match=f"GEOMPI_GLOBAL_REPLICAS {bad}: choose 1 or 2"):
         make_config([], env={"GEOMPI_GLOBAL_REPLICAS": bad}).validate()
     assert make_config(["--global-replicas", "2"]).validate().global_replicas == 2
+
+
+def test_a_lost_global_server_goes_on_from_its_mirror_unless_the_mirror_is_lost_too() -> None:
+    from geompi.comm.faults import Loss, LostEssentialRank, surviving_topology
+
+    t = Topology.plan(11, dc_sizes=[3, 2, 3], global_servers=3, replicas=2)  # servers 8, 9, 10
+    after, left = surviving_topology(t, {9})
+    assert left == [] and after.num_global_servers == 2 and after.replicas == 2
+    assert after.dc_sizes == t.dc_sizes and after.global_servers == [8, 9]
+    loss = Loss([9], [], after, t)
+    assert loss.lost_global == [1] and loss.lost_workers == 0
+    assert "the shard(s) of global server(s) 1 go on from their mirrors" in loss.describe(5)
+    assert "dropped" not in loss.describe(5)
+    for both in ({8, 10}, {8, 9}):  # in a ring of 3, any two include a shard and its mirror
+        with pytest.raises(LostEssentialRank, match="their shard of the global model"):
+            surviving_topology(t, both)
+    two = Topology.plan(10, dc_sizes=[3, 2, 3], global_servers=2, replicas=2)
+    after, _ = surviving_topology(two, {8})
+    assert after.num_global_servers == 1 and after.replicas == 1  # no second server to mirror
+    with pytest.raises(LostEssentialRank):
+        surviving_topology(Topology.plan(10, dc_sizes=[3, 2, 3], global_servers=2), {8})

@@ -171,6 +171,15 @@ class Loss:
         return [names[d] for d in self.left_dcs] if names else list(self.left_dcs)
 
     @property
+    def lost_global(self) -> list[int]:
+        """The lost global servers, by their index before (their shards go on from mirrors)."""
+        return [
+            self.before.global_servers.index(r)
+            for r in self.lost
+            if r in self.before.global_servers
+        ]
+
+    @property
     def lost_workers(self) -> int:
         """How many workers the job lost (those of a datacenter that left included)."""
         return self.before.num_workers - self.topo.num_workers
@@ -192,7 +201,16 @@ class Loss:
         if self.left_dcs:
             dcs = ", ".join(map(str, self.left_at_start))
             msg += f"; datacenter(s) {dcs} left the job with {left_with}"
-        dropped = [str(rank[r]) for r in self.lost if b.dc_of(r) not in self.left_dcs]
+        if self.lost_global:
+            msg += (
+                f"; the shard(s) of global server(s) {', '.join(map(str, self.lost_global))} go "
+                f"on from their mirrors, re-sharded over {self.topo.num_global_servers} global "
+                "server(s)"
+            )
+        gs = set(b.global_servers)
+        dropped = [
+            str(rank[r]) for r in self.lost if b.dc_of(r) not in self.left_dcs and r not in gs
+        ]
         if dropped:
             msg += f"; the data shard(s) of worker rank(s) {', '.join(dropped)} dropped"
         t = self.topo
@@ -206,17 +224,23 @@ def surviving_topology(topo: Topology, lost: set[int]) -> tuple[Topology, list[i
     """The job without the ``lost`` world ranks, and the datacenters that leave with them.
 
     A datacenter leaves when its local server or every one of its workers is lost; otherwise
-    it keeps its surviving workers. Raises LostEssentialRank for a lost global server (its shard
-    of the global model and optimizer state is gone) and for datacenter 0 leaving or losing
-    rank 0 (the master worker: metrics, evaluation, the summary). Pure: every survivor
-    computes the same result.
+    it keeps its surviving workers. A lost global server's shard goes on from its mirror
+    (``replicas`` 2) on the global servers left, re-sharded over them. Raises LostEssentialRank
+    for a lost global server whose shard has no surviving copy (its part of the global model
+    and optimizer state is gone) and for datacenter 0 leaving or losing rank 0 (the master
+    worker: metrics, evaluation, the summary). Pure: every survivor computes the same result.
     """
+    g = topo.num_global_servers
     gone_gs = sorted(lost & set(topo.global_servers))
     if gone_gs:
-        raise LostEssentialRank(
-            f"global server rank(s) {', '.join(map(str, gone_gs))} lost: their shard of the "
-            f"global model and its optimizer state are gone, so the job stops; {_restart}"
-        )
+        gone = {topo.global_servers.index(r) for r in gone_gs}
+        mirrored = topo.replicas > 1 and all(topo.replica_server(i) not in gone for i in gone)
+        if not mirrored:
+            raise LostEssentialRank(
+                f"global server rank(s) {', '.join(map(str, gone_gs))} lost: their shard of the "
+                f"global model and its optimizer state are gone, so the job stops; {_restart}"
+            )
+        g -= len(gone)
     sizes, left = [], []
     for d in range(topo.num_dcs):
         alive = [w for w in topo.workers(d) if w not in lost]
@@ -230,8 +254,7 @@ def surviving_topology(topo: Topology, lost: set[int]) -> tuple[Topology, list[i
             f"(metrics, evaluation, the summary): the job cannot go on without it, so it stops; "
             f"{_restart}"
         )
-    g = topo.num_global_servers
-    return Topology(sum(sizes) + g, tuple(sizes), g, topo.replicas), left
+    return Topology(sum(sizes) + g, tuple(sizes), g, topo.replicas if g > 1 else 1), left
 
 
 TEST_HOOKS = "GEOMPI_TEST_HOOKS"  # =1: the GEOMPI_FAULT_* test hooks are read (tests only)

@@ -20,6 +20,7 @@ from geompi.comm.transport import (
     Link,
     LinkStats,
     Requests,
+    isend_state,
     live_timeout,
     recv_buffer,
     recv_state,
@@ -43,6 +44,7 @@ from geompi.ps.protocol import (
     TAG_RESULT,
     TAG_SNAPSHOT,
     TAG_SPEC,
+    TAG_TAKEOVER,
     TAG_TRAILER,
     Op,
     Round,
@@ -95,37 +97,46 @@ class GlobalServer:
         self.comms = comms
         self.link = Link(comms.glob, WAN, stats)
         self.world = comms.world
-        self._before: dict | None = None  # this shard at the start of the round under way
         self._kill_at = faults.fault_step("GEOMPI_FAULT_KILL_AT", comms.world.Get_rank())
-        self._restore: dict | None = None
         self.index = comms.glob.Get_rank() - topo.num_dcs
-        # Replication (replicas=2): this server also keeps an exact copy of the shard of the
-        # server before it (its mirror), from the same slices the local servers send that one;
-        # a mirror answers no local server.
-        self.answers = True
-        self.mirror: GlobalServer | None = None
-        if topo.replicas > 1 and topo.num_global_servers > 1:
-            mirrored = dataclasses.replace(topo, replicas=1)  # a mirror mirrors nothing
-            self.mirror = GlobalServer(comms, mirrored, stats, timeout, None, copy.deepcopy(policy))
-            self.mirror.answers = False
-            self.mirror.index = topo.mirrored_shard(self.index)
-            if codec is not None:
-                self.mirror.codec = TierCodec(codec.compressor)
+        self.answers = True  # a mirror answers no local server
         self.stats = stats
         self.timeout = timeout
+        self.codec = codec  # compression of the global tier's data rounds (geompi.ps.wan)
+        self._policy0 = copy.deepcopy(policy)  # as the algorithm made it: for a fresh start
+        self._fresh()
+
+    def _fresh(self) -> None:
+        """The state a new shard starts from (configured by the INIT round's spec)."""
         self.values: dict[int, torch.Tensor] = {}
         self.optimizer: ServerOptimizer | None = None
         # what a value round's average does to a key (geompi.ps.policy): the algorithm's
-        self.policy: GlobalPolicy = policy or Assign()
+        self.policy: GlobalPolicy = copy.deepcopy(self._policy0) or Assign()
         self.updates = 0
         self.pieces: dict[int, list[Piece]] = {}  # key -> its parameters in this shard
         self.presence_key: int | None = None
         self.presence_numel = 0  # the whole presence key: one copy per global server
         self._present: torch.Tensor | None = None  # this round's presence counts
-        self.codec = codec  # compression of the global tier's data rounds (geompi.ps.wan)
         # clip_grad_norm_ of the global gradient before the optimizer steps (FSA on the servers)
         self.max_grad_norm: float | None = None
+        self._before: dict | None = None  # this shard at the start of the round under way
+        self._restore: dict | None = None  # state from the master worker, after INIT's values
         self._recv_bufs = BufferPool()  # (local server, key position) -> its data
+        # Replication (replicas=2): this server also keeps an exact copy of the shard of the
+        # server before it (its mirror), from the same slices the local servers send that one.
+        self.mirror: GlobalServer | None = None
+        topo = self.topo
+        if self.answers and topo.replicas > 1 and topo.num_global_servers > 1:
+            mirrored = dataclasses.replace(topo, replicas=1)  # a mirror mirrors nothing
+            mirror = GlobalServer(
+                self.comms, mirrored, self.stats, self.timeout, None, self._policy0
+            )
+            mirror.answers = False
+            mirror.index = topo.mirrored_shard(self.index)
+            mirror.link = self.link
+            if self.codec is not None:
+                mirror.codec = TierCodec(self.codec.compressor)
+            self.mirror = mirror
 
     def configure(self, spec: dict) -> None:
         """Apply a spec from the master worker: the optimizer and the policy's settings."""
@@ -173,17 +184,26 @@ class GlobalServer:
             torch.save(both, pathlib.Path(out) / f"gs{self.index}-{job}.pt")
 
     def rejoin(self, loss: faults.Loss) -> None:
-        """After a recovery: the round a lost rank cut off undone, the same shard served to
-        the surviving local servers."""
-        roll_back(self, loss.done)
+        """After a recovery: the round a lost rank cut off undone; the same shard (and mirror)
+        served to the surviving local servers, or, when a global server was lost, both handed
+        to the master worker, which re-shards the global tier (its mirror held the lost
+        server's shard) and starts this server afresh with an INIT round."""
+        parts = self._parts()
+        for part in parts:
+            roll_back(part, loss.done)
+        handed = [part.snapshot() for part in parts] if loss.lost_global else None
         self.topo = loss.topo
         self.link = Link(self.comms.glob, WAN, self.stats)
         self.world = self.comms.world
         self.index = self.comms.glob.Get_rank() - self.topo.num_dcs
-        if self.mirror is not None:  # the same shard mirrored: the global servers all stay
-            self.mirror.rejoin(loss)
+        if handed is not None:
+            reqs = Requests(self.stats, live_timeout(self.timeout), "the master worker")
+            isend_state(reqs, self.world, {"shards": handed}, 0, TAG_TAKEOVER, self.stats)
+            reqs.wait()
+            self._fresh()  # after the snapshots: they share nothing with what comes
+        elif self.mirror is not None:  # the same shard mirrored: the global servers all stay
             self.mirror.topo = dataclasses.replace(self.topo, replicas=1)
-            self.mirror.index = self.topo.mirrored_shard(self.index)
+            self.mirror.link, self.mirror.world = self.link, self.world
 
     def report(self) -> dict:
         """What this server contributes to the run's summary."""

@@ -84,6 +84,9 @@ _AGREE = [0, 1, 3, 5, 7, -2, -1]  # op, round, key count, flags, k2, the presenc
 
 TAG_SNAPSHOT = 21  # on the world communicator: a global server's state -> the master worker
 TAG_RESTORE = 22  # on the world communicator: checkpointed state -> a global server
+# on the world communicator, after a lost global server: a surviving global server's shards (its
+# own and its mirror's) -> the master worker, which re-shards them over the global servers left
+TAG_TAKEOVER = 27
 TAG_NORM = 24  # on global_comm, between global servers: a shard's squared gradient norm
 TAG_DEPOSIT_SPEC = 25  # on global_comm: a datacenter's new hyperparameters (FLAG_SPEC)
 TAG_HEADER = 11

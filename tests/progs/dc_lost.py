@@ -7,6 +7,7 @@ GEOMPI_FAULT_* hooks; rank 0 saves the final model and summary.
     dc_lost.py hfa|fsa|mixed OUT [STEPS [CHECKPOINT_DIR [resume]]]   # checkpoints every 4 steps"""
 
 import json
+import os
 import sys
 
 import torch
@@ -32,6 +33,7 @@ cfg = make_config(
     steps=int(rest[0]) if rest else 12,
     dc_sizes=(3, 2, 3),
     global_servers=2,
+    global_replicas=int(os.environ.get("TEST_GLOBAL_REPLICAS", "1")),  # 2: mirrors take over
     progress_every=1e9,
     bucket_mb=0.03,
     on_failure="continue",
