@@ -5,6 +5,17 @@ last checkpoint, side by side.
     python bench/failure.py --steps 192 --repeat 5
     python bench/failure.py --sync fsa      # writes bench/results/failure_fsa.json
     python bench/failure.py --sync mixed    # writes bench/results/failure_mixed.json
+    python bench/failure.py --lose global-server --sync fsa   # failure_gs_fsa.json
+
+With ``--lose global-server`` the job has 2 global servers (datacenters of 5, 5 and 4 ranks) and
+global server 1 (rank 15) is killed instead, at a global round mid-run: **continue** runs with
+``--global-replicas 2``, so server 0's mirror of its shard takes over and no worker is lost;
+**restart** runs without replicas (the loss ends the job, which resumes its last checkpoint);
+**without** is not run (every datacenter stays), and the accuracy to compare is the uninterrupted
+``ulfm`` job's. The time from the fault to full speed is then measured from the continue run's
+step records too: the 32 steps from the fault take ``fault_cycle_extra_s`` longer than the 32
+before it, and the last 32 steps run at ``pace_after_over_before`` of the pace before the fault
+(one global server left, where there were two).
 
 The job is HFA on the digits CNN (16 ranks: 3 datacenters of 4 workers, 1 global server,
 K1=8, K2=4), or with ``--sync fsa`` FSA, or ``--sync mixed`` MixedSync, on the same
@@ -78,8 +89,19 @@ def run(ranks: int, launch: list[str], args: list[str], env: dict, timeout: floa
         lines = [json.loads(x) for x in text.splitlines()]
     summary = next((x for x in lines if x.get("summary")), None)
     failure = next((x for x in lines if x.get("event") == "failure"), None)
+    steps = {x["step"]: x["wall_s"] for x in lines if x.get("kind") == "step"}
     return {"wall": wall, "rc": res.returncode, "err": res.stderr, "summary": summary,
-            "failure": failure}  # fmt: skip
+            "failure": failure, "steps": steps}  # fmt: skip
+
+
+def pace(steps: dict[int, float], fault: int, period: int = 32) -> tuple[float, float]:
+    """From a run's step records (step -> seconds since training began): how much longer the
+    ``period`` steps from the fault took than the ``period`` before it, and the pace of the last
+    ``period`` steps over the pace before the fault."""
+    last = max(steps)
+    before = steps[fault - 1] - steps[fault - 1 - period]
+    extra = (steps[fault - 1 + period] - steps[fault - 1]) - before
+    return extra, (steps[last] - steps[last - period]) / before
 
 
 def killed_at(stderr: str) -> float | None:
@@ -98,13 +120,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--sync", choices=("hfa", "fsa", "mixed"), default="hfa")
-    p.add_argument("--out", default=None, help="default bench/results/failure[_fsa|_mixed].json")
-    a = p.parse_args(argv)
-    out_path = a.out or ROOT / "bench" / "results" / (
-        "failure.json" if a.sync == "hfa" else f"failure_{a.sync}.json"
+    p.add_argument("--lose", choices=("datacenter", "global-server"), default="datacenter")
+    p.add_argument(
+        "--out", default=None, help="default bench/results/failure[_gs][_fsa|_mixed].json"
     )
+    a = p.parse_args(argv)
+    gs = a.lose == "global-server"
+    if gs and a.sync == "mixed":
+        sys.exit("failure: --lose global-server: MixedSync keeps no mirror of a global server")
+    stem = "failure" + ("_gs" if gs else "") + ("" if a.sync == "hfa" else f"_{a.sync}")
+    out_path = a.out or ROOT / "bench" / "results" / f"{stem}.json"
     period = 32  # K1 * K2 (HFA's checkpoints are at global averages)
-    kill = a.kill_at or (a.steps // 2 + 16)  # between two global averages (HFA)
+    # datacenter: between two global averages (HFA); global server: at one (HFA's global
+    # servers see no other round)
+    kill = a.kill_at or (a.steps // 2 + (0 if gs else 16))
+    lost_rank = RANKS - 1 if gs else LOST_LS
+    workers = 11 if gs else 12
     env = {**os.environ, **LOCAL_OPENMPI_ENV, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     ft_env = {**env, "OMPI_MCA_btl": "self,tcp"}
     ulfm = ["--with-ft", "ulfm", "--mca", "btl", "self,tcp"]
@@ -112,19 +143,28 @@ def main(argv: list[str] | None = None) -> int:
     if a.sync == "hfa":
         common += ["--k1", "8", "--k2", "4"]
     common += ["--batch-size", str(BATCH), "--eval-every", "0"]
-    kill_env = {"GEOMPI_TEST_HOOKS": "1", "GEOMPI_FAULT_KILL_AT": f"{kill}:{LOST_LS}"}
+    if gs:
+        common += ["--global-servers", "2", "--dc-sizes", "5,5,4"]
+    kill_env = {"GEOMPI_TEST_HOOKS": "1", "GEOMPI_FAULT_KILL_AT": f"{kill}:{lost_rank}"}
+    replicas = ["--global-replicas", "2"] if gs else []
+    cycle_extra, pace_after = [], []
     goodput: dict[str, list[float]] = {"continue": [], "restart": []}
     walls: dict[str, list[float]] = {k: [] for k in ("continue", "restart", "ulfm", "plain")}
     train_walls: dict[str, list[float]] = {"ulfm": [], "plain": []}  # the loop, no start-up
     detect, acc_continue, acc_without = [], [], []
     for r in range(a.repeat):
         # continue: 12 workers to the loss, 8 after it
-        c = run(RANKS, ulfm, common + ["--on-failure", "continue"], {**ft_env, **kill_env},
-                a.timeout)  # fmt: skip
+        c = run(RANKS, ulfm, common + replicas + ["--on-failure", "continue"],
+                {**ft_env, **kill_env}, a.timeout)  # fmt: skip
         if c["rc"] != 0 or c["failure"] is None:
             sys.exit(f"failure: the continue run failed (exit {c['rc']})\n{c['err'][-3000:]}")
         before = kill if a.sync == "hfa" else kill - 1  # FSA redoes step `kill` without it
         samples = BATCH * (12 * before + 8 * (a.steps - before))
+        if gs:  # no worker lost
+            samples = BATCH * workers * a.steps
+            extra, after = pace(c["steps"], kill, period)
+            cycle_extra.append(extra)
+            pace_after.append(after)
         if a.sync == "mixed":
             samples = c["summary"]["samples"]
         goodput["continue"].append(samples / c["wall"])
@@ -141,16 +181,22 @@ def main(argv: list[str] | None = None) -> int:
             if again["rc"] != 0:
                 sys.exit(f"failure: the resumed job failed\n{again['err'][-3000:]}")
         wall = first["wall"] + again["wall"]
-        goodput["restart"].append(BATCH * 12 * a.steps / wall)
+        goodput["restart"].append(BATCH * workers * a.steps / wall)
         walls["restart"].append(wall)
         # the price of the fault-tolerant launch, without a failure
         for name, launch, e in (("ulfm", ulfm, ft_env), ("plain", [], env)):
             job = run(RANKS, launch, common, e, a.timeout)
             walls[name].append(job["wall"])
             train_walls[name].append(job["summary"]["wall_s"])
-        # accuracy: the job started without datacenter 2
-        w = run(RANKS - 5, [], common + ["--dc-sizes", "5,5"], env, a.timeout)
-        acc_without.append(w["summary"]["test_acc"])
+            if name == "ulfm":
+                uninterrupted = job["summary"]["test_acc"]
+        # accuracy: the job started without datacenter 2 (a lost global server: the job as
+        # it was, uninterrupted)
+        if gs:
+            acc_without.append(uninterrupted)
+        else:
+            w = run(RANKS - 5, [], common + ["--dc-sizes", "5,5"], env, a.timeout)
+            acc_without.append(w["summary"]["test_acc"])
         print(
             f"repeat {r + 1}: goodput continue {goodput['continue'][-1]:.0f} / restart "
             f"{goodput['restart'][-1]:.0f} samples/s, detection-to-recovery {detect[-1]:.2f} s, "
@@ -164,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     out = {
         "benchmark": "failure",
         "sync": a.sync,
+        "lose": a.lose,
         "ranks": RANKS,
         "steps": a.steps,
         "kill_at": kill,
@@ -175,7 +222,15 @@ def main(argv: list[str] | None = None) -> int:
         "ulfm_over_plain_wall": spread(ft_cost),
         "ulfm_over_plain_training": spread(ft_train),
         "test_acc_continue": spread(acc_continue),
-        "test_acc_without_dc2": spread(acc_without),
+        ("test_acc_uninterrupted" if gs else "test_acc_without_dc2"): spread(acc_without),
+        **(
+            {
+                "fault_cycle_extra_s": spread(cycle_extra),
+                "pace_after_over_before": spread(pace_after),
+            }
+            if gs
+            else {}
+        ),
         "goal": "goodput continue/restart >= 1.5, detection-to-recovery < 10 s",
         "machine": f"{platform.node()} {os.cpu_count()} CPUs",
         "command": "python bench/failure.py " + " ".join(argv or sys.argv[1:]),
@@ -188,7 +243,14 @@ def main(argv: list[str] | None = None) -> int:
         f"{statistics.median(detect):.2f} s; ulfm/plain wall {statistics.median(ft_cost):.2f}, "
         f"training {statistics.median(ft_train):.2f}; "
         f"test_acc {statistics.median(acc_continue):.4f} continue, "
-        f"{statistics.median(acc_without):.4f} without datacenter 2"
+        f"{statistics.median(acc_without):.4f} "
+        + ("uninterrupted" if gs else "without datacenter 2")
+        + (
+            f"; the fault's cycle {statistics.median(cycle_extra):.2f} s longer, then "
+            f"{statistics.median(pace_after):.2f}x the pace"
+            if gs
+            else ""
+        )
     )
     return 0
 

@@ -474,17 +474,32 @@ def render_failure(d: dict) -> list[str]:
         ["wall, ULFM launch (tcp) / default (sm), no failure", cell(d["ulfm_over_plain_wall"]),
          "", ""],
         ["the same, training loop only", cell(d["ulfm_over_plain_training"]), "", ""],
-        ["test accuracy: continue / started without that datacenter",
-         f"{num(d['test_acc_continue']['median'], 4)} / "
-         f"{num(d['test_acc_without_dc2']['median'], 4)}", "within 0.02",
-         meets(abs(d["test_acc_continue"]["median"] - d["test_acc_without_dc2"]["median"]),
-               "<= 0.02")],
     ]  # fmt: skip
+    gs = d.get("lose") == "global-server"
+    other = "test_acc_uninterrupted" if gs else "test_acc_without_dc2"
+    versus = "uninterrupted" if gs else "started without that datacenter"
+    rows.append(
+        [f"test accuracy: continue / {versus}",
+         f"{num(d['test_acc_continue']['median'], 4)} / {num(d[other]['median'], 4)}",
+         "within 0.02",
+         meets(abs(d["test_acc_continue"]["median"] - d[other]["median"]), "<= 0.02")]
+    )  # fmt: skip
+    if gs:
+        rows.append(["the 32 steps from the fault, beyond the 32 before (s)",
+                     cell(d["fault_cycle_extra_s"]), "", ""])  # fmt: skip
+        rows.append(["pace of the last 32 steps / before the fault",
+                     cell(d["pace_after_over_before"]), "", ""])  # fmt: skip
     out = table(["figure (median, min-max)", "value", "goal", "met"], rows)
     out.append("")
+    what = (
+        "global server 1 (its shard mirrored by server 0: --global-replicas 2 in the continue "
+        "runs) is killed"
+        if gs
+        else "the local server of datacenter 2 is killed"
+    )
     out.append(
-        f"{d['ranks']} ranks, {d.get('sync', 'hfa').upper()}, {d['steps']} steps; the local "
-        f"server of datacenter 2 is killed at step {d['kill_at']}; {d['repeats']} interleaved "
+        f"{d['ranks']} ranks, {d.get('sync', 'hfa').upper()}, {d['steps']} steps; {what} at "
+        f"step {d['kill_at']}; {d['repeats']} interleaved "
         "repeats. Walls (s): " + ", ".join(f"{k} {num(v['median'], 1)}" for k, v in w.items())
     )
     return out
@@ -815,6 +830,8 @@ RENDERERS = {
     "failure": render_failure,
     "failure_fsa": render_failure,
     "failure_mixed": render_failure,
+    "failure_gs": render_failure,
+    "failure_gs_fsa": render_failure,
     "ulfm_exit": render_ulfm_exit,
     "adaptive_wan": render_adaptive_wan,
     "adaptive_wan_320": render_adaptive_wan,
@@ -846,6 +863,9 @@ TITLES = {
     "failure": "A datacenter lost mid-run: --on-failure continue against a checkpoint restart",
     "failure_fsa": "The same with FSA (bench/failure.py --sync fsa)",
     "failure_mixed": "The same with MixedSync (bench/failure.py --sync mixed)",
+    "failure_gs": "A global server lost mid-run: its mirror takes over (--global-replicas 2) "
+    "against a checkpoint restart (bench/failure.py --lose global-server)",
+    "failure_gs_fsa": "The same with FSA (bench/failure.py --lose global-server --sync fsa)",
     "local_server_scaling": "The local server's load as a datacenter grows: funnel or scatter",
     "streaming_wan": "Streaming and quantized HFA on two emulated WAN links",
     "streaming_wan_k2_16": "The same with K2 = 16 (bench/streaming_wan.py --k2 16)",

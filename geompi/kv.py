@@ -251,7 +251,7 @@ def create(
     On a worker this returns the KVStore. On a server rank it serves until every worker has
     closed its store, then ends the process with status 0: code after ``create()`` runs on
     workers only. The topology comes from the keywords or ``GEOMPI_DCS``, ``GEOMPI_DC_SIZES``
-    and ``GEOMPI_GLOBAL_SERVERS``.
+    and ``GEOMPI_GLOBAL_SERVERS`` (and ``GEOMPI_GLOBAL_REPLICAS``: mirrored global servers).
     """
     from geompi import session, sync
 
@@ -261,10 +261,14 @@ def create(
         sync.for_kvstore(name)  # an unknown type: one line, before the environment's
         cfg = make_config(dcs=dcs, dc_sizes=dc_sizes, global_servers=global_servers)
         sync.for_kvstore(name, cfg)  # a type the environment's algorithm disagrees with
+        if cfg.global_replicas > 1:  # GEOMPI_GLOBAL_REPLICAS: where this type keeps mirrors
+            sync.for_kvstore(name, cfg).from_config(cfg).check_replication()
         return cfg
 
     def plan(cfg, c) -> Topology:
-        return Topology.plan(c.Get_size(), cfg.dcs, cfg.dc_sizes, cfg.global_servers)
+        return Topology.plan(
+            c.Get_size(), cfg.dcs, cfg.dc_sizes, cfg.global_servers, cfg.global_replicas
+        )
 
     # The one start-up and serve path (geompi.session), as the CLI's and geompi.init()'s: the
     # workers announce the servers' algorithm, the servers serve it until the workers finish.

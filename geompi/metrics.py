@@ -641,18 +641,20 @@ class Metrics:
             self._emit(head)
 
     def _drop_pending(self) -> None:
-        """The step records under way are dropped (rank 0's own records among them stay)."""
+        """A lost rank cut off the averages under way: their step records are written with
+        this worker's own values (``workers``: 1), in order, with rank 0's own records among
+        them, rather than lost (a batch holds up to ``batch`` steps)."""
         self._open = None
         kept: deque = deque()
-        dropped = False
         for r in self._queue:
-            if isinstance(r, _Batch):
+            if isinstance(r, _Batch) and r.rows:
+                r.recv = np.array(r.rows, dtype=np.float64)
+                kept.extend(rec for _, rec in r.records())
+                LOG.debug("geompi: metrics: %d step records of this worker alone", len(r.rows))
+            elif isinstance(r, _Batch):
                 kept.extend(rec for _, rec in r.after)
-                dropped = True
             else:
                 kept.append(r)
-        if dropped:
-            LOG.debug("geompi: metrics: step records cut off by a lost rank are dropped")
         self._queue = kept
 
     def _emit(self, record: dict) -> None:

@@ -154,9 +154,10 @@ class Recovery:
         restore (optimizer, outer and update state), as a checkpoint's resume does."""
         from geompi.held_state import HeldState
         from geompi.ps.protocol import TAG_TAKEOVER
+        from geompi.session import fail_together
 
         e = self.e
-        values = send = None
+        values = send = err = None
         if e.master:
             shards: dict[int, dict] = {}
             for gs in loss.topo.global_servers:
@@ -167,7 +168,15 @@ class Recovery:
                 assert isinstance(handed, dict)  # a state message is a dict
                 for snap in handed["shards"]:  # its own shard first: a mirror's is its equal
                     shards.setdefault(int(snap["index"]), snap)
-            ordered = [shards[i] for i in range(loss.before.num_global_servers)]
+            ordered = [shards.get(i, {}) for i in range(loss.before.num_global_servers)]
+            if not all(s.get("values") for s in ordered):
+                # a server lost while a takeover was under way: what it handed in is gone
+                err = GeompiError(
+                    "a global server was lost while another's shard was being taken over: "
+                    "the global model is not whole; run the job again from its last checkpoint"
+                )
+        fail_together(e.s, err)  # every worker stops alike, before the INIT round
+        if e.master:
             io = HeldState.for_engine(e)
             model, optimizer, algorithm = io.assemble(ordered)
             algorithm["global_updates"] = int(ordered[0]["updates"])

@@ -289,3 +289,23 @@ def test_agree_names_the_first_setting_a_worker_differs_in():
     assert "[3, 3]" in msg and "[2, 3]" in msg and "\n" not in msg
     msg = _first_difference("X", [a, {**a, "bucket_mb": 0.5}])
     assert "worker 1's bucket_mb differs from worker 0's (0.5 vs 1.0)" in msg
+
+
+@pytest.mark.parametrize("kind, refused", [("dist_async", True), ("dist_sync", False)])
+def test_the_kvstore_honours_or_refuses_global_replicas(kind, refused):
+    """GEOMPI_GLOBAL_REPLICAS=2 reaches the KVStore's topology; the one-sided type refuses it in
+    one line (exit 2) before MPI starts anything, the synchronous one takes it (and then needs
+    2 global servers: its topology's one line, in a world of one process)."""
+    import os
+
+    code = f"import geompi.kv as kv; kv.create({kind!r})"
+    env = {**os.environ, "GEOMPI_GLOBAL_REPLICAS": "2"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
+    )
+    lines = [ln for ln in out.stderr.splitlines() if ln.startswith("geompi: error:")]
+    assert out.returncode != 0 and len(lines) == 1, out.stderr
+    if refused:
+        assert "global_replicas=2 with mixed is not supported yet" in lines[0]
+    else:
+        assert "--global-replicas 2 keeps each shard's copy on another global server" in lines[0]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from geompi.ckpt import cli as ckpt_cli
-from tests.mpirun import HOOKS, ULFM, ULFM_ENV, error_lines, mpirun, prog
+from tests.mpirun import HOOKS, ULFM, ULFM_ENV, error_lines, mpirun, prog, read_jsonl
 from tests.reference import max_abs_diff
 
 pytestmark = pytest.mark.mpi
@@ -177,6 +177,11 @@ def test_a_lost_global_server_is_taken_over_by_its_mirror(tmp_path, sync, at, ra
     assert f["topology"]["global_servers"] == 1 and summary["steps"] == 12
     want = fsa_reference(lost=()) if sync == "fsa" else reference(lost=None)
     assert max_abs_diff(torch.load(tmp_path / "model.pt"), want) <= 1e-6
+    # a step record for every step: those whose average the loss cut off (the batch under way)
+    # with rank 0's own values, the others over every worker
+    recs = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "step"]
+    assert [r["step"] for r in recs] == list(range(1, 13))
+    assert {r["workers"] for r in recs} <= {1, 5} and recs[-1]["workers"] == 5
 
 
 def test_hfa_survives_a_loss_at_a_datacenter_round(tmp_path, expected):
@@ -339,22 +344,26 @@ def api_fsa_reference(lost=(([3, 4], 4), ([1], 9))) -> dict[str, torch.Tensor]:
 
 
 def test_the_public_api_survives_fsa_losses(tmp_path):
-    """geompi.init(on_failure="continue") and FSA with the user's Adam on the workers: the
-    same two losses as the CLI's (datacenter 2 mid-round at step 4; worker rank 1 at step 9,
-    as it begins its round, while the master lacked step 8's global gradient). Every surviving
-    worker ends on the model of the independent simulation (1e-5), which the losses change."""
-    env = {**ULFM_ENV, **FSA_LOSSES}
+    """geompi.init(on_failure="continue", global_replicas=2) and FSA with the user's Adam on
+    the workers: the same two losses as the CLI's (datacenter 2 mid-round at step 4; worker
+    rank 1 at step 9, as it begins its round, while the master lacked step 8's global
+    gradient) and between them global server 0 (rank 8) at step 6, whose shard its mirror
+    takes over. Every surviving worker ends on the model of the independent simulation
+    (1e-5), which the two lost datacenter and worker change and the lost server does not."""
+    env = {**ULFM_ENV, **FSA_LOSSES, "GEOMPI_FAULT_KILL_AT": "9:1;6:8", "TEST_GLOBAL_REPLICAS": "2"}
     res = mpirun(10, [prog("api_dc_lost.py"), str(tmp_path), "fsa"], 180, env=env, launcher=ULFM)
     lines = [ln for ln in res.stderr.splitlines() if ln.startswith("geompi: lost")]
-    assert len(lines) == 2, res.stderr
+    assert len(lines) == 3, res.stderr
+    assert "8 (global server) at step 6; the shard(s) of global server(s) 0 go on" in lines[1]
     expected = api_fsa_reference()
     for w in (0, 2):  # worker indices 0 and 2 (ranks 0 and 3) survive
         assert max_abs_diff(torch.load(tmp_path / f"w{w}.pt"), expected) <= 1e-5, w
         record = json.loads((tmp_path / f"w{w}.json").read_text())
-        assert [f["step"] for f in record["failures"]] == [4, 9]
+        assert [f["step"] for f in record["failures"]] == [4, 6, 9]
+        assert [f["topology"]["global_servers"] for f in record["failures"]] == [2, 1, 1]
         assert record["global_syncs"] == 12
     master = json.loads((tmp_path / "w0.json").read_text())
-    assert master["failures"][1]["results_from_peer"]
+    assert master["failures"][2]["results_from_peer"]
     assert not (tmp_path / "w1.pt").exists() and not (tmp_path / "w3.pt").exists()
     assert max_abs_diff(api_fsa_reference(lost=()), expected) > 1e-4
 

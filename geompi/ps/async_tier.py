@@ -97,6 +97,7 @@ class AsyncGlobalServer(GlobalServer):
     arrive; what a deposit does to this shard, its ``async_policy`` says (geompi.ps.policy)."""
 
     final_snapshot = False  # the spec's ``final_snapshot``: a last snapshot once all are done
+    keeps_mirror = False  # replication is refused with the one-sided tier (MixedSync)
 
     def __init__(self, *args: Any, async_policy: AsyncPolicy, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -9,6 +9,7 @@ DistributedOptimizer recorded of the losses.
     api_dc_lost.py OUT [hfa|fsa|mixed]"""
 
 import json
+import os
 import sys
 
 import torch
@@ -18,7 +19,8 @@ from geompi.runtime import end_process
 from tests.progs.api_common import batch, hfa_optimizer, make_model, use_extra
 
 out = sys.argv[1]
-geompi.init(dc_sizes=(3, 2, 3), global_servers=2, on_failure="continue")
+replicas = int(os.environ.get("TEST_GLOBAL_REPLICAS", "1"))  # 2: a lost server's mirror goes on
+geompi.init(dc_sizes=(3, 2, 3), global_servers=2, global_replicas=replicas, on_failure="continue")
 w = geompi.worker_rank()
 model = make_model(seed=1 + w)  # the master's parameters reach every worker
 if sys.argv[2:] == ["fsa"]:
