@@ -157,11 +157,11 @@ def test_a_lost_global_server_stops_the_job_which_resumes_from_its_checkpoint(tm
 
 
 @pytest.mark.parametrize(
-    "sync, at, rank", [("fsa", 6, 8), ("hfa", 8, 9)], ids=["fsa-server-0", "hfa-server-1"]
+    "sync, at, rank", [("fsa-adam", 6, 8), ("hfa", 8, 9)], ids=["fsa-server-0", "hfa-server-1"]
 )
 def test_a_lost_global_server_is_taken_over_by_its_mirror(tmp_path, sync, at, rank):
     """--global-replicas 2: a global server is killed at the start of a round (FSA: step 6,
-    SGD with momentum on the servers; HFA: step 8's global average, outer Nesterov). Its shard
+    Adam on the servers; HFA: step 8's global average, outer Nesterov). Its shard
     goes on from the mirror the other server kept; the master re-shards the tier over the one
     server left; exit 0, one line, and the final model equals the uninterrupted run's
     (independent simulations: large-batch SGD, and HFA's), to 1e-6."""
@@ -175,7 +175,8 @@ def test_a_lost_global_server_is_taken_over_by_its_mirror(tmp_path, sync, at, ra
     (f,) = summary["failures"]
     assert (f["step"], f["lost_ranks"], f["left_dcs"], f["lost_workers"]) == (at, [rank], [], 0)
     assert f["topology"]["global_servers"] == 1 and summary["steps"] == 12
-    want = fsa_reference(lost=()) if sync == "fsa" else reference(lost=None)
+    adam = lambda p: torch.optim.Adam(p, lr=0.003)  # noqa: E731
+    want = fsa_reference(lost=(), make_opt=adam) if sync == "fsa-adam" else reference(lost=None)
     assert max_abs_diff(torch.load(tmp_path / "model.pt"), want) <= 1e-6
     # a step record for every step: those whose average the loss cut off (the batch under way)
     # with rank 0's own values, the others over every worker
@@ -274,10 +275,10 @@ FSA_LOSSES = {
 }
 
 
-def fsa_reference(lost=(([3, 4], 4), ([1], 9))) -> dict[str, torch.Tensor]:
-    """``tests/progs/dc_lost.py fsa`` simulated: SGD with momentum 0.9 on the concatenated
-    batches of the workers not yet lost at each step (``lost``: (worker indices, first step
-    without))."""
+def fsa_reference(lost=(([3, 4], 4), ([1], 9)), make_opt=None) -> dict[str, torch.Tensor]:
+    """``tests/progs/dc_lost.py fsa`` simulated: SGD with momentum 0.9 (or ``make_opt``'s) on
+    the concatenated batches of the workers not yet lost at each step (``lost``: (worker
+    indices, first step without))."""
     from tests.reference import large_batch_sgd
 
     def active(t: int) -> list[int]:
@@ -285,7 +286,8 @@ def fsa_reference(lost=(([3, 4], 4), ([1], 9))) -> dict[str, torch.Tensor]:
 
     return large_batch_sgd(
         dataset="digits", model="mlp", workers=5, batch_size=7, seed=4, steps=12,
-        make_opt=lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), active=active,
+        make_opt=make_opt or (lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)),
+        active=active,
     )  # fmt: skip
 
 

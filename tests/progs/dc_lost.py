@@ -1,10 +1,13 @@
 """FSA, HFA or MixedSync through the CLI's train() under --on-failure continue (launched with
 ULFM): uneven datacenters of 2, 1 and 2 workers, 2 global servers. HFA: SGD with momentum 0.9
-on the workers, then an outer Nesterov step; FSA: SGD with momentum 0.9 on the global servers;
+on the workers, then an outer Nesterov step; FSA: SGD with momentum 0.9 on the global servers
+(fsa-adam: Adam);
 MixedSync: DCASGD (lambda 2) on the global servers. The test kills ranks with the
 GEOMPI_FAULT_* hooks; rank 0 saves the final model and summary.
 
-    dc_lost.py hfa|fsa|mixed OUT [STEPS [CHECKPOINT_DIR [resume]]]   # checkpoints every 4 steps"""
+    dc_lost.py hfa|fsa|fsa-adam|mixed OUT [STEPS [CHECKPOINT_DIR [resume]]]
+
+(checkpoints every 4 steps)"""
 
 import json
 import os
@@ -20,6 +23,7 @@ sync, out, rest = sys.argv[1], sys.argv[2], sys.argv[3:]
 algo = {
     "hfa": dict(k1=2, k2=2, outer_optimizer="nesterov", outer_lr=0.7, lr=0.05, momentum=0.9),
     "fsa": dict(lr=0.05, momentum=0.9),
+    "fsa-adam": dict(optimizer="adam", lr=0.003),
     "mixed": dict(optimizer="dcasgd", lr=0.1, dcasgd_lambda=2.0),
 }[sync]
 cfg = make_config(
@@ -28,7 +32,7 @@ cfg = make_config(
     model="mlp",
     batch_size=7,
     seed=4,
-    sync=sync,
+    sync=sync.split("-")[0],
     **algo,
     steps=int(rest[0]) if rest else 12,
     dc_sizes=(3, 2, 3),
