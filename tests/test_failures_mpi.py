@@ -157,24 +157,43 @@ def test_a_lost_global_server_stops_the_job_which_resumes_from_its_checkpoint(tm
 
 
 @pytest.mark.parametrize(
-    "sync, at, rank", [("fsa-adam", 6, 8), ("hfa", 8, 9)], ids=["fsa-server-0", "hfa-server-1"]
+    "sync, servers, at, rank",
+    [("fsa-adam", 2, 6, 8), ("hfa", 3, 8, 9)],
+    ids=["fsa-server-0-of-2", "hfa-server-1-of-3"],
 )
-def test_a_lost_global_server_is_taken_over_by_its_mirror(tmp_path, sync, at, rank):
-    """--global-replicas 2: a global server is killed at the start of a round (FSA: step 6,
-    Adam on the servers; HFA: step 8's global average, outer Nesterov). Its shard
-    goes on from the mirror the other server kept; the master re-shards the tier over the one
-    server left; exit 0, one line, and the final model equals the uninterrupted run's
-    (independent simulations: large-batch SGD, and HFA's), to 1e-6."""
-    env = {**ULFM_ENV, **HOOKS, "GEOMPI_FAULT_KILL_AT": f"{at}:{rank}", "TEST_GLOBAL_REPLICAS": "2"}
-    res = mpirun(10, [prog("dc_lost.py"), sync, str(tmp_path)], 150, env=env, launcher=ULFM)
+def test_a_lost_global_server_is_taken_over_by_its_mirror(tmp_path, sync, servers, at, rank):
+    """--global-replicas 2: a global server is killed at the start of a round (FSA: server 0
+    of 2 at step 6, Adam on the servers; HFA: server 1 of 3 at step 8's global average, outer
+    Nesterov). Its shard goes on from the mirror the next server kept; the master re-shards the
+    tier over the servers left (HFA: 2, which mirror each other again, their mirrors restored
+    too); exit 0, one line, and the final model equals the uninterrupted run's (independent
+    simulations: large-batch Adam, and HFA's), to 1e-6."""
+    dumps = tmp_path / "mirrors"
+    dumps.mkdir()
+    env = {**ULFM_ENV, **HOOKS, "GEOMPI_FAULT_KILL_AT": f"{at}:{rank}", "TEST_GLOBAL_REPLICAS": "2",
+           "TEST_GLOBAL_SERVERS": str(servers), "GEOMPI_TEST_MIRROR_DUMP": str(dumps)}  # fmt: skip
+    n = 8 + servers
+    res = mpirun(n, [prog("dc_lost.py"), sync, str(tmp_path)], 150, env=env, launcher=ULFM)
     (line,) = [ln for ln in res.stderr.splitlines() if ln.startswith("geompi: lost")]
     assert f"{rank} (global server) at step {at}" in line, line
     assert f"the shard(s) of global server(s) {rank - 8} go on from their mirrors" in line, line
-    assert "re-sharded over 1 global server(s)" in line and "5 worker(s), 9 rank(s)" in line
+    assert f"re-sharded over {servers - 1} global server(s)" in line, line
+    assert f"5 worker(s), {n - 1} rank(s)" in line, line
     summary = json.loads((tmp_path / "summary.json").read_text())
     (f,) = summary["failures"]
     assert (f["step"], f["lost_ranks"], f["left_dcs"], f["lost_workers"]) == (at, [rank], [], 0)
-    assert f["topology"]["global_servers"] == 1 and summary["steps"] == 12
+    assert f["topology"]["global_servers"] == servers - 1 and summary["steps"] == 12
+    if servers - 1 > 1:  # the survivors' mirrors, restored at the takeover, kept exact since
+        snaps = [torch.load(dumps / f"gs{g}-0.pt") for g in range(servers - 1)]
+        for g, snap in enumerate(snaps):
+            own = snaps[(g - 1) % (servers - 1)]["own"]
+            assert snap["mirror"]["index"] == own["index"] and snap["mirror"]["outer"]
+            for key, v in own["values"].items():
+                assert torch.equal(snap["mirror"]["values"][key], v), (g, key)
+            assert snap["mirror"]["outer"].keys() == own["outer"].keys()
+            for key, st in own["outer"].items():
+                for name, t in st.items():
+                    assert torch.equal(snap["mirror"]["outer"][key][name], t), (g, key, name)
     adam = lambda p: torch.optim.Adam(p, lr=0.003)  # noqa: E731
     want = fsa_reference(lost=(), make_opt=adam) if sync == "fsa-adam" else reference(lost=None)
     assert max_abs_diff(torch.load(tmp_path / "model.pt"), want) <= 1e-6

@@ -36,7 +36,7 @@ cfg = make_config(
     **algo,
     steps=int(rest[0]) if rest else 12,
     dc_sizes=(3, 2, 3),
-    global_servers=2,
+    global_servers=int(os.environ.get("TEST_GLOBAL_SERVERS", "2")),
     global_replicas=int(os.environ.get("TEST_GLOBAL_REPLICAS", "1")),  # 2: mirrors take over
     progress_every=1e9,
     bucket_mb=0.03,
