@@ -55,6 +55,7 @@ class Synchronizer:
     ) -> None:
         self.opt, self.model, self.algo, self.s = optimizer, model, algo, session
         self.server_spec = server_spec
+        self.begun_spec: dict = {}  # the INIT spec the global servers began with (begin)
         self.wan = wan or {}
         # a lossy WAN codec: datacenters hold a replica of the global model plus what their
         # last push left out, so HFA's close() ends on one more, exact, global round
