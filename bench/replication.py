@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import resource
 import statistics
@@ -30,6 +29,11 @@ import time
 from mpi4py import MPI
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from a checkout
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+from benchenv import machine_record, pin_device  # noqa: E402
+
+DEVICE = pin_device()  # before torch is imported, in every rank: the CPU build's path, pinned
 
 from geompi.config import make_config  # noqa: E402
 from geompi.train import train  # noqa: E402
@@ -88,12 +92,14 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--device", choices=("cpu",), default="cpu", help="pinned for every run")
     args = p.parse_args()
     world = MPI.COMM_WORLD
     if world.Get_size() != 8:
         if world.Get_rank() == 0:
             print("replication: run with mpirun -n 8", file=sys.stderr)
         sys.exit(2)
+    machine = machine_record(DEVICE, world)  # every rank: their cores' union
     started = time.strftime("%Y-%m-%dT%H:%M:%S")
     one_run("fsa", "unshaped", 1, 2)  # warm-up (imports, data, first allocations): not counted
     cases = {}
@@ -125,7 +131,7 @@ def main() -> None:
             f"--steps {args.steps} --repeats {args.repeats}",
             "started": started,
             "finished": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            "machine": f"{os.cpu_count()} cores",
+            "machine": machine,
             "cases": cases,
         }
         RESULTS.mkdir(exist_ok=True)

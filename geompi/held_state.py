@@ -89,8 +89,7 @@ class HeldState:
                 "earlier checkpoint and report it"
             )
         keys = sorted(snaps[0]["values"])
-        flat = {k: torch.cat([s["values"][k] for s in snaps]) for k in keys}
-        model = self._by_name(flat)
+        model = self._by_name(self.whole_keys(snaps))
         optimizer: dict[str, dict[str, torch.Tensor]] = {}
         algorithm: dict = {}
         for state_name in sorted({n for s in snaps for st in s["state"].values() for n in st}):
@@ -129,6 +128,11 @@ class HeldState:
             if outer:
                 algorithm.setdefault("hfa", {})[state_name] = self._by_name(outer)
         return model, optimizer, algorithm
+
+    @staticmethod
+    def whole_keys(snaps: list[dict]) -> dict[int, torch.Tensor]:
+        """Every key's values, whole: the shards' slices (``snaps`` in shard order) joined."""
+        return {k: torch.cat([s["values"][k] for s in snaps]) for k in sorted(snaps[0]["values"])}
 
     def _join_pieces(self, key: int, parts: list[dict], into: dict[str, list]) -> None:
         """Collect, per parameter of ``key`` that has this state, its pieces from the shards

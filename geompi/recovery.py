@@ -180,7 +180,7 @@ class Recovery:
             io = HeldState.for_engine(e)
             model, optimizer, algorithm = io.assemble(ordered)
             algorithm["global_updates"] = int(ordered[0]["updates"])
-            values = {k: torch.cat([s["values"][k] for s in ordered]) for k in ordered[0]["values"]}
+            values = io.whole_keys(ordered)
             states = io.shard_states(optimizer, algorithm, model)
             if states is not None:
                 send = lambda reqs: io.send_server_states(reqs, states)  # noqa: E731

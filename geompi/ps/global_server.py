@@ -128,7 +128,7 @@ class GlobalServer:
         # server before it (its mirror), from the same slices the local servers send that one.
         self.mirror: GlobalServer | None = None
         topo = self.topo
-        if self.keeps_mirror and self.answers and topo.replicas > 1 and topo.num_global_servers > 1:
+        if self.keeps_mirror and topo.replicas > 1 and topo.num_global_servers > 1:
             mirrored = dataclasses.replace(topo, replicas=1)  # a mirror mirrors nothing
             mirror = GlobalServer(
                 self.comms, mirrored, self.stats, self.timeout, None, self._policy0
